@@ -1,0 +1,82 @@
+"""ServerConfig: one settings object, from CLI flags and an optional TOML file."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Jetson's Python 3.10
+    import tomli as tomllib
+
+EngineName = Literal["auto", "torch", "trtllm"] | str
+
+
+class TierLimits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    requests_per_minute: Annotated[int, Meta(ge=0)] | None = None
+    tokens_per_minute: Annotated[int, Meta(ge=0)] | None = None
+
+
+class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Every setting. Field names are the CLI flags with ``_`` for ``-``."""
+
+    engine_dir: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine: str = "auto"
+    served_model_name: str | None = None
+    # PyTorch engine
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_batch_size: Annotated[int, Meta(ge=1)] = 16
+    max_model_len: Annotated[int, Meta(ge=1)] | None = None
+    prefill_chunk_size: Annotated[int, Meta(ge=16)] = 512
+    threads: Annotated[int, Meta(ge=0)] = 0  # 0 = torch default
+    cuda_graphs: bool = True
+    # API limits (OpenAI's by default; each raisable)
+    max_logprobs: Annotated[int, Meta(ge=0)] = 5
+    max_stop_sequences: Annotated[int, Meta(ge=1)] = 4
+    max_n: Annotated[int, Meta(ge=1)] = 128
+    max_best_of: Annotated[int, Meta(ge=1)] = 20
+    max_prompts: Annotated[int, Meta(ge=1)] = 256
+    max_body_bytes: Annotated[int, Meta(ge=1024)] = 16 * 1024 * 1024
+    max_prompt_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_waiting: Annotated[int, Meta(ge=1)] = 1024
+    request_timeout_s: Annotated[float, Meta(gt=0)] | None = None
+    default_max_tokens: Annotated[int, Meta(ge=0)] = 16
+    # plugins
+    plugins: list[str] = []
+    plugin_allowlist: list[str] | None = None
+    guided_compile_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
+    # operations
+    api_keys: list[str] = []
+    no_limit_api_keys: list[str] = []
+    quotas: dict[str, TierLimits] = {}
+    adapters_dir: str | None = None
+    prompt_log_dir: str | None = None
+    shutdown_grace_s: Annotated[float, Meta(ge=0)] = 30.0
+    log_format: Literal["auto", "json", "console"] = "auto"
+    log_level: str = "info"
+
+    @property
+    def engine_path(self) -> Path:
+        return Path(self.engine_dir)
+
+
+def load_config_file(path: str | Path) -> dict[str, object]:
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    section = data.get("server", data)
+    if not isinstance(section, dict):
+        raise ValueError(f"{path}: [server] must be a table")
+    return section
+
+
+def build_config(values: dict[str, object]) -> ServerConfig:
+    """Validate a dict of settings (CLI merged over file) into a ServerConfig."""
+    return msgspec.convert(values, ServerConfig, strict=False)

@@ -1,0 +1,174 @@
+"""Every plugin hook trtserver calls. Each docstring is that hook's documentation.
+
+A plugin is a module or object with functions decorated ``@trtserver.hookimpl`` whose names match
+the specs below (pluggy matches arguments by name, so an implementation may accept fewer
+arguments than the spec lists). Hooks run at start-up or once per request, never per token:
+per-step work lives on the objects some hooks return (``TokenConstraint``, ``LogitsProcessor``,
+``StopChecker``), whose Protocols live in ``trtserver.engine.base`` and ``trtserver.text``.
+
+Hooks are synchronous. The two request hooks that may need I/O (``trtserver_request_received``
+and ``trtserver_response_ready``) may instead return an awaitable, which is awaited.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from trtserver.config import ServerConfig
+    from trtserver.engine.base import Engine, EngineInfo, GuidedDecoder, LogitsProcessor
+    from trtserver.guided import GuideContext, GuideSpec
+    from trtserver.protocol import CompletionRequest, CompletionResponse
+    from trtserver.quota import QuotaStore
+    from trtserver.request_context import RequestContext
+    from trtserver.text import StopChecker
+
+PROJECT = "trtserver"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+# --- start-up -------------------------------------------------------------------------------
+
+
+@hookspec
+def trtserver_register_engines(register: Callable[[str, Callable[[ServerConfig], Engine]], None]) -> None:
+    """Add engines that ``--engine NAME`` can select.
+
+    :param register: call ``register(name, factory)`` once per engine; ``factory(config)`` gets
+        the server configuration (engine directory, dtype, slots...) and returns an object
+        implementing ``trtserver.engine.base.Engine``. It is called once, at start-up, and only
+        for the engine that was selected.
+    :returns: nothing; the return value is ignored.
+
+    Fires once at start-up, before the engine is built. Registering a name twice stops start-up.
+    """
+
+
+@hookspec
+def trtserver_app_created(app: web.Application, config: ServerConfig) -> None:
+    """Extend the aiohttp application: add routes, middlewares, startup/cleanup callbacks.
+
+    :param app: the ``aiohttp.web.Application`` built by ``create_app``; not yet started.
+    :param config: the server configuration.
+    :returns: nothing; the return value is ignored.
+
+    Fires once in ``create_app``, after trtserver's own routes are added.
+    """
+
+
+@hookspec(firstresult=True)
+def trtserver_system_fingerprint(engine_info: EngineInfo) -> str | None:
+    """The ``system_fingerprint`` returned in every response and chunk.
+
+    :param engine_info: the started engine's info; ``engine_info.fingerprint_inputs`` holds the
+        manifest facts (weights checksum, dtype, runtime versions) that identify the build.
+    :returns: a short string, or None to let another plugin answer. firstresult: the first
+        non-None answer wins; the built-in plugin is ``trylast`` so any other overrides it.
+
+    Fires once, after the engine has started.
+    """
+
+
+@hookspec(firstresult=True)
+def trtserver_quota_store(config: ServerConfig) -> QuotaStore | None:
+    """Where per-project request and token counts are kept (``service_tier`` quotas).
+
+    :param config: the server configuration (its ``quotas`` table holds the limits).
+    :returns: an object implementing ``trtserver.quota.QuotaStore`` (for example backed by a
+        shared store so replicas share quotas), or None for the next plugin; the built-in
+        in-memory store answers last. firstresult.
+
+    Fires once at start-up.
+    """
+
+
+# --- per request ----------------------------------------------------------------------------
+
+
+@hookspec
+def trtserver_request_received(request: CompletionRequest, context: RequestContext) -> Awaitable[None] | None:
+    """Inspect a validated request before any work is done: auth, quotas, audit, prompt logging.
+
+    :param request: the decoded ``CompletionRequest`` (read it; do not mutate it).
+    :param context: the request's id, headers, query, client ``user``, and the app config.
+    :returns: None, or an awaitable that is awaited. To reject the request, raise a
+        ``trtserver.errors.APIError`` subclass (``InvalidRequest`` -> 400, ``PermissionDenied``
+        -> 403, ``RateLimited`` -> 429...): the client gets that error in the OpenAI envelope.
+
+    Fires once per request, after validation and the model check, before tokenization.
+    """
+
+
+@hookspec(firstresult=True)
+def trtserver_guided_decoder(spec: GuideSpec, backend: str, context: GuideContext) -> GuidedDecoder | None:
+    """Compile a guide (JSON schema, regex, choice, grammar) for a guided-decoding backend.
+
+    :param spec: what to constrain to; ``spec.kind`` in json, json_object, regex, choice, grammar.
+    :param backend: the backend the request asked for (``xgrammar`` when it named none).
+        Implementations answer only for their own backend name and return None otherwise.
+    :param context: the tokenizer, the logits width and EOS ids of the served model, and the
+        compile time limit.
+    :returns: a ``GuidedDecoder`` whose ``new_state()`` gives each sequence a ``TokenConstraint``
+        (per step: ``fill_bitmask``, ``accept_token``, ``is_terminated``), or None when this
+        plugin does not own ``backend``. Raise ``trtserver.errors.InvalidRequest`` when the
+        backend owns the name but cannot compile this spec (the client gets a 400 naming it).
+        firstresult. Runs in a worker thread, never on the event loop; results should be cached
+        by the plugin (the same spec arrives again and again).
+
+    Fires once per request that asks for guided output.
+    """
+
+
+@hookspec
+def trtserver_logits_processors(request: CompletionRequest, context: RequestContext) -> list[Callable[[], LogitsProcessor]] | None:
+    """Per-sequence logits processors for a request.
+
+    :param request: the decoded request.
+    :param context: the request context.
+    :returns: a list of zero-argument factories; each sequence calls every factory once and
+        the engine calls the processor once per decode step with that sequence's generated
+        token ids and its logits row (modify it in place). None or [] for no processors.
+
+    Fires once per request, after tokenization.
+    """
+
+
+@hookspec
+def trtserver_stop_checkers(request: CompletionRequest, context: RequestContext) -> list[Callable[[], StopChecker]] | None:
+    """Custom stop conditions on generated text, beyond ``stop`` strings and ``stop_token_ids``.
+
+    :param request: the decoded request (read plugin-specific fields from ``context.extra``,
+        which holds body fields trtserver itself does not know).
+    :param context: the request context.
+    :returns: a list of zero-argument factories; each choice calls every factory once and gets a
+        ``trtserver.text.StopChecker`` whose ``find`` is given the text decoded so far and whose
+        ``hold`` says how much trailing text to withhold from a stream because it could still
+        become a match. The earliest match over all checkers and stop strings wins. None or []
+        for none.
+
+    Fires once per request, after tokenization.
+    """
+
+
+@hookspec
+def trtserver_response_ready(request: CompletionRequest, response: CompletionResponse, context: RequestContext) -> Awaitable[None] | None:
+    """See a finished response: accounting, audit, logging.
+
+    :param request: the decoded request.
+    :param response: the complete response; for a streamed request, the chunks collected into
+        one ``CompletionResponse`` (same text, usage and finish reasons as were streamed).
+    :param context: the request context.
+    :returns: None, or an awaitable that is awaited. Exceptions are logged and do not reach
+        the client (the response has been sent already for streams).
+
+    Fires once per request that completed, after the last byte was produced. Not fired for
+    requests that failed or whose client disconnected.
+    """
+
+
+HOOK_NAMES: tuple[str, ...] = tuple(name for name in dir() if name.startswith("trtserver_"))

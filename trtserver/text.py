@@ -1,0 +1,155 @@
+"""Tokens to text, in one place for every engine: incremental decoding and stop matching.
+
+``TextStream`` keeps one choice's decoded text. The serving layer feeds it new token ids, asks
+whether any stop condition matched, and takes the text that is safe to send: text that could
+still turn into a stop string is held back until it either does or cannot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from trtserver.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class StopMatch:
+    """``text[start:end]`` is the stop; ``reason`` becomes the choice's ``stop_reason``."""
+
+    start: int
+    end: int
+    reason: str | int | None
+
+
+@runtime_checkable
+class StopChecker(Protocol):
+    """A custom stop condition on one choice's generated text (see ``trtserver_stop_checkers``)."""
+
+    def find(self, text: str, new_from: int) -> StopMatch | None:
+        """The earliest match in ``text``, or None. ``text[:new_from]`` was seen by a previous call
+        (a match may still begin there, since the new text may complete it)."""
+
+    def hold(self, text: str) -> int:
+        """How many trailing characters of ``text`` could still become part of a match; a stream
+        withholds them until they either match or cannot."""
+
+
+class StopStrings:
+    """The request's ``stop`` list as a StopChecker."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self._longest = max((len(s) for s in self.stops), default=0)
+
+    def find(self, text: str, new_from: int) -> StopMatch | None:
+        begin = max(0, new_from - self._longest + 1)
+        best: StopMatch | None = None
+        for stop in self.stops:
+            at = text.find(stop, begin)
+            if at >= 0 and (best is None or at < best.start):
+                best = StopMatch(at, at + len(stop), stop)
+        return best
+
+    def hold(self, text: str) -> int:
+        # the longest suffix of text that is a proper prefix of some stop string
+        for size in range(min(self._longest - 1, len(text)), 0, -1):
+            tail = text[-size:]
+            if any(stop.startswith(tail) for stop in self.stops):
+                return size
+        return 0
+
+
+class IncrementalDecoder:
+    """Token ids to text, correct for characters split across tokens.
+
+    Wraps tokenizers' ``DecodeStream``; with ``spaces_between_special_tokens`` (and special tokens
+    kept) it puts a space between a special token and its neighbours, as Hugging Face's slow
+    tokenizers and vLLM do.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._backend = tokenizer.backend
+        self._skip = skip_special_tokens
+        self._space_specials = spaces_between_special_tokens and not skip_special_tokens
+        self._specials = tokenizer.special_token_ids
+        self._stream = tokenizer.decode_stream(skip_special_tokens=skip_special_tokens)
+        self._produced = False
+        self._after_special = False
+
+    def step(self, token_id: int) -> str:
+        if token_id in self._specials:
+            if self._skip:
+                return ""
+            piece = self._tokenizer.id_to_token(token_id) or ""
+            # a special token resets the byte-level state: start a fresh stream after it
+            self._stream = self._tokenizer.decode_stream(skip_special_tokens=self._skip)
+            if self._space_specials and self._produced:
+                piece = " " + piece
+            self._produced = True
+            self._after_special = True
+            return piece
+        try:
+            piece = self._stream.step(self._backend, token_id) or ""
+        except Exception:  # ids the tokenizer does not know decode to nothing, never crash
+            piece = ""
+        if piece:
+            if self._after_special and self._space_specials:
+                piece = " " + piece
+            self._after_special = False
+            self._produced = True
+        return piece
+
+    def feed(self, token_ids: Iterable[int]) -> str:
+        return "".join(self.step(t) for t in token_ids)
+
+
+class TextStream:
+    """One choice's text: decoding, stop detection, and what may be sent so far."""
+
+    def __init__(self, decoder: IncrementalDecoder, checkers: Sequence[StopChecker] = (),
+                 *, include_stop_str_in_output: bool = False) -> None:
+        self._decoder = decoder
+        self._checkers = tuple(checkers)
+        self._include_stop = include_stop_str_in_output
+        self.text = ""
+        self.sent = 0
+        self.stop: StopMatch | None = None
+
+    def add(self, token_ids: Iterable[int]) -> StopMatch | None:
+        """Decode new tokens; return the stop that matched, if one did (text is then final)."""
+        if self.stop is not None:
+            return self.stop
+        new_from = len(self.text)
+        self.text += self._decoder.feed(token_ids)
+        if not self._checkers or len(self.text) == new_from:
+            return None
+        best: StopMatch | None = None
+        for checker in self._checkers:
+            match = checker.find(self.text, new_from)
+            if match is not None and (best is None or match.start < best.start):
+                best = match
+        if best is not None:
+            self.stop = best
+            self.text = self.text[: best.end if self._include_stop else best.start]
+        return best
+
+    def take(self, *, final: bool) -> str:
+        """The text not yet sent, minus what must still be held back (nothing when final)."""
+        end = len(self.text)
+        if not final and self.stop is None and self._checkers:
+            end -= max(checker.hold(self.text) for checker in self._checkers)
+        if end <= self.sent:
+            return ""
+        piece = self.text[self.sent : end]
+        self.sent = end
+        return piece
+
+
+def token_strings(tokenizer: Tokenizer, token_ids: Sequence[int]) -> list[str]:
+    """Each token on its own, as the legacy ``logprobs.tokens`` shows it."""
+    return [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
