@@ -56,6 +56,13 @@ def has_required_files(engine_dir: Path) -> bool:
     return all((engine_dir / name).is_file() for name in REQUIRED_FILES)
 
 
+def _make_readable(root: Path) -> None:
+    os.chmod(root, 0o755)
+    for path in root.rglob("*"):
+        if not path.is_symlink():
+            os.chmod(path, 0o755 if path.is_dir() else path.stat().st_mode | 0o644)
+
+
 @contextlib.contextmanager
 def staged_dir(final: Path) -> Iterator[Path]:
     """Yield an empty staging directory next to ``final``; on success swap it into place.
@@ -67,7 +74,7 @@ def staged_dir(final: Path) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         yield staging
-        os.chmod(staging, 0o755)  # mkdtemp makes it 0700
+        _make_readable(staging)  # mkdtemp makes it 0700, safetensors writes 0600
         old: Path | None = None
         if final.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))

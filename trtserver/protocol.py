@@ -1,0 +1,271 @@
+"""Wire objects: one msgspec Struct per JSON object of the legacy completions API.
+
+Covers OpenAI's ``/v1/completions`` (https://platform.openai.com/docs/api-reference/completions)
+plus the vLLM, OctoAI and Nebius extensions (see ``docs/api.md``). Imports neither torch nor
+aiohttp nor tensorrt_llm. Field-level ranges live in ``Meta``; rules that involve several fields
+live in ``CompletionRequest.check()``, which raises ``FieldError``; the server turns either into a
+400 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, UnsetType
+
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+
+ServiceTier = Literal["auto", "default", "flex", "over-limit", "no-limit"]
+
+
+class FieldError(ValueError):
+    """A cross-field rule failed; ``param`` names the field to blame."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
+    include_usage: bool = True
+    continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(msgspec.Struct):
+    name: str | None = None
+    description: str | None = None
+    schema_: Any = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct):
+    """vLLM's newer ``structured_outputs`` object (one kind of constraint at a time)."""
+
+    json: Any = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    backend: str | None = None  # trtserver extension: per-request backend choice
+
+
+class CompletionRequest(msgspec.Struct, kw_only=True):
+    # --- OpenAI (legacy completions) ---
+    model: str | None = None
+    prompt: str | list[str | Annotated[int, Meta(ge=0)] | list[TokenId]]
+    best_of: Annotated[int, Meta(ge=1)] | None = None
+    echo: bool = False
+    frequency_penalty: Penalty | None = 0.0
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    logprobs: NonNegativeInt | None = None
+    max_tokens: NonNegativeInt | None = None
+    n: PositiveInt = 1
+    presence_penalty: Penalty | None = 0.0
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    user: str | None = None
+
+    # --- vLLM sampling extensions ---
+    use_beam_search: bool = False
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Probability | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: NonNegativeInt = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: PositiveInt | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    prompt_logprobs: NonNegativeInt | None = None
+    bad_words: list[str] | None = None
+
+    # --- vLLM extra parameters ---
+    add_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    priority: int = 0
+    request_id: str | None = None
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+    logits_processors: list[Any] | None = None
+
+    # --- vLLM guided decoding (pre-0.11) and structured outputs ---
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    # --- OctoAI ---
+    loglikelihood: bool = False
+    peft: str | None = None
+    log_prompt: bool = False
+
+    # --- Nebius ---
+    service_tier: ServiceTier | None = None
+    extra_body: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        """Rules between fields (msgspec checks each field alone); raises FieldError."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            pass
+        elif not prompt:
+            raise FieldError("prompt must not be an empty list", "prompt")
+        else:
+            kinds = {type(p) for p in prompt}
+            if len(kinds) > 1:
+                raise FieldError("prompt must be a string, a list of strings, a list of token ids, "
+                                 "or a list of token-id lists, not a mixture", "prompt")
+            if kinds == {list} and any(not p for p in prompt):  # type: ignore[union-attr]
+                raise FieldError("prompt token-id lists must not be empty", "prompt")
+        if isinstance(self.stop, list) and any(s == "" for s in self.stop):
+            raise FieldError("stop must not contain an empty string", "stop")
+        if self.stream_options is not None and not self.stream:
+            raise FieldError("stream_options can only be set when stream is true", "stream_options")
+        if self.best_of is not None and self.best_of < self.n:
+            raise FieldError(f"best_of must be greater than or equal to n, got n={self.n} and "
+                             f"best_of={self.best_of}", "best_of")
+        if self.stream and not self.use_beam_search and self.best_of is not None and self.best_of > self.n:
+            raise FieldError("best_of greater than n cannot be streamed; set stream to false", "best_of")
+        if self.stream and self.use_beam_search:
+            raise FieldError("beam search results cannot be streamed; set stream to false", "use_beam_search")
+        if self.stream and self.prompt_logprobs:
+            raise FieldError("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise FieldError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}",
+                             "min_tokens")
+        if self.max_tokens == 0 and not self.echo and not self.loglikelihood and self.prompt_logprobs is None:
+            raise FieldError("max_tokens must be at least 1 unless echo is true (prompt scoring)", "max_tokens")
+        if self.logit_bias:
+            bad = [key for key in self.logit_bias if not _is_int_key(key)]
+            if bad:
+                raise FieldError(f"logit_bias keys must be integer token ids, got {bad[:5]}", "logit_bias")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise FieldError("allowed_token_ids must not be empty", "allowed_token_ids")
+        if self.use_beam_search and self.early_stopping not in (True, False, "never"):
+            raise FieldError("early_stopping must be true, false or \"never\"", "early_stopping")
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts as a list: strings, or token-id lists."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt[0], int):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+
+def _is_int_key(key: str) -> bool:
+    try:
+        int(key)
+    except ValueError:
+        return False
+    return True
+
+
+# --- responses --------------------------------------------------------------------------------
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """The legacy logprobs object. ``text_offset`` counts characters from the start of the
+    returned ``text`` of the choice (so with ``echo`` from the start of the prompt)."""
+
+    text_offset: list[int] = []
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float] | None] = []
+
+
+class PromptLogprob(msgspec.Struct):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+class CompletionChoice(msgspec.Struct, omit_defaults=True):
+    text: str
+    index: int
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | UnsetType = UNSET
+    loglikelihood: CompletionLogprobs | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionResponse(msgspec.Struct, omit_defaults=True):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None
+    system_fingerprint: str | None
+    object: Literal["text_completion"] = "text_completion"
+    service_tier: str | None = None
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    object: Literal["model"] = "model"
+    owned_by: str = "trtserver"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorDetail
+
+
+REQUEST_FIELDS: frozenset[str] = frozenset(f.encode_name for f in msgspec.structs.fields(CompletionRequest))
+
+request_decoder = msgspec.json.Decoder(CompletionRequest)
+encoder = msgspec.json.Encoder()
