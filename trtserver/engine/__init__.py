@@ -1,0 +1,1 @@
+"""Engines: the contract (``base``) and the implementations, each imported only when chosen."""

@@ -1,0 +1,1 @@
+"""The portable PyTorch engine. ``from trtserver.engine.torch.engine import TorchEngine``."""

@@ -1,0 +1,42 @@
+"""The static KV cache: ``num_slots`` sequences × ``max_len`` positions, allocated once."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Per layer, K and V of shape ``(num_slots + 1, n_kv_heads, max_len + 1, head_dim)``.
+
+    Slot ``num_slots`` and position ``max_len`` are scratch: padded rows of a batch write there
+    and nothing ever reads them, so the hot path needs no bounds checks. Zero-filled, so stale
+    positions beyond a sequence's live length are finite and vanish under the attention mask.
+    """
+
+    def __init__(self, n_layers: int, num_slots: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_slots + 1, n_kv_heads, max_len + 1, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.scratch_slot = num_slots
+        self.scratch_pos = max_len
+
+    def copy_slot(self, src: int, dsts: list[int], length: int) -> None:
+        """Copy the first ``length`` positions of slot ``src`` into each slot of ``dsts``."""
+        if not dsts:
+            return
+        index = torch.tensor(dsts, device=self.k[0].device)
+        for cache in (*self.k, *self.v):
+            cache[index, :, :length] = cache[src, :, :length].unsqueeze(0)
+
+    def reorder(self, dsts: list[int], srcs: list[int], length: int) -> None:
+        """Slot ``dsts[i]`` takes the contents of slot ``srcs[i]`` (a permutation is fine)."""
+        moves = [(d, s) for d, s in zip(dsts, srcs) if d != s]
+        if not moves:
+            return
+        dst = torch.tensor([d for d, _ in moves], device=self.k[0].device)
+        src = torch.tensor([s for _, s in moves], device=self.k[0].device)
+        for cache in (*self.k, *self.v):
+            cache[dst, :, :length] = cache[src, :, :length]  # the read copies first, so overlaps are safe

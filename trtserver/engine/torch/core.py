@@ -1,0 +1,278 @@
+"""One engine step: schedule, run the model, sample, turn the results into deltas.
+
+``EngineCore.step()`` is nano-vllm's three-call loop (schedule → run → postprocess); it runs on
+the runner's worker thread only, and never touches asyncio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+from torch import Tensor
+
+from trtserver.engine.base import FinishReason, GenerationRequest, SequenceOutput
+from trtserver.engine.torch.beam import BeamState
+from trtserver.engine.torch.cache import KVCache
+from trtserver.engine.torch.model import ForwardContext, Transformer
+from trtserver.engine.torch.sampler import Sampler
+from trtserver.engine.torch.scheduler import PrefillChunk, Scheduler
+from trtserver.engine.torch.sequence import Group, Sequence
+
+
+class EngineCore:
+    def __init__(self, model: Transformer, *, num_slots: int, max_len: int, chunk_size: int,
+                 eos_token_ids: Seq[int], device: torch.device, seed: int | None = None) -> None:
+        args = model.args
+        dtype = model.output.weight.dtype
+        self.model, self.device, self.max_len = model, device, max_len
+        self.cache = KVCache(args.n_layers, num_slots, args.n_kv_heads, max_len, args.head_dim, dtype, device)
+        model.setup_rope(max_len)
+        self.scheduler = Scheduler(num_slots, chunk_size)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.sampler = Sampler(args.vocab_size, tuple(eos_token_ids), device, seed)
+        self._positions = torch.arange(max_len + 1, device=device)
+        self._dirty: dict[Sequence, None] = {}  # sequences with something to report, in order
+        self.num_prefill_forwards = 0  # observability (and the tests' spy)
+        self.num_decode_forwards = 0
+        self.current: list[Group] = []  # groups in the step under way (failed together on error)
+
+    # ---- requests --------------------------------------------------------------------------
+    def add(self, request: GenerationRequest) -> Group:
+        if len(request.prompt_token_ids) == 0:
+            raise ValueError("the prompt is empty")
+        if len(request.prompt_token_ids) > self.max_len:
+            raise ValueError(f"the prompt has {len(request.prompt_token_ids)} tokens; "
+                             f"the engine's context is {self.max_len}")
+        group = Group.from_request(request)
+        p = request.sampling
+        for seq in group.seqs:
+            if p.seed is not None:
+                seq.generator = self.sampler.new_generator(p.seed, seq.index)
+            seq.processors = [factory() for factory in request.logits_processors]
+            if request.guided is not None:
+                seq.constraint = request.guided.new_state()
+        if p.use_beam_search:
+            end = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            group.beam = BeamState(group.num_slots, p.length_penalty, p.early_stopping,
+                                   p.max_tokens, frozenset(end))
+        self.scheduler.add(group)
+        return group
+
+    def abort(self, request_id: str, index: int | None = None) -> list[Sequence]:
+        seqs = self.scheduler.abort(request_id, index)
+        for seq in seqs:
+            if seq.group.beam is None:
+                self._dirty[seq] = None
+        return seqs
+
+    def fail(self) -> list[str]:
+        """After an exception in ``step``: drop the step's requests; return their ids."""
+        ids = []
+        for group in self.current:
+            for seq in self.scheduler.abort(group.request_id):
+                self._dirty.pop(seq, None)
+            ids.append(group.request_id)
+        self.current = []
+        return ids
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the step ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[SequenceOutput]:
+        plan = self.scheduler.schedule()
+        self.current = [c.group for c in plan.prefill] + list({s.group: None for s in plan.decode})
+        if plan.prefill:
+            self._prefill(plan.prefill)
+        if plan.decode:
+            self._decode(plan.decode)
+        self.current = []
+        return self.drain()
+
+    def _prefill(self, chunks: list[PrefillChunk]) -> None:
+        B, T = len(chunks), max(c.end - c.start for c in chunks)
+        tokens = torch.zeros((B, T), dtype=torch.long)
+        pos = torch.full((B, T), self.cache.scratch_pos, dtype=torch.long)
+        for b, c in enumerate(chunks):
+            n = c.end - c.start
+            tokens[b, :n] = torch.tensor(c.group.request.prompt_token_ids[c.start:c.end])
+            pos[b, :n] = self._positions[c.start:c.end]
+        slots = [c.group.prefill_slot for c in chunks]
+        length = max(c.end for c in chunks)
+        causal = B == 1 and chunks[0].start == 0
+        pos = pos.to(self.device)
+        mask = None if causal else (self._positions[:length] <= pos.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, L)
+        ctx = ForwardContext(pos, torch.tensor(slots, device=self.device), _contiguous(slots), length, mask, causal)
+        hidden = self.model(tokens.to(self.device), ctx, self.cache)  # (B, T, dim)
+        self.num_prefill_forwards += 1
+
+        last_rows: list[Tensor] = []
+        finishing: list[Group] = []
+        for b, c in enumerate(chunks):
+            group, n = c.group, c.end - c.start
+            if group.prompt_token_logprobs is not None:
+                self._prompt_logprobs(group, c, self.model.logits(hidden[b, :n]))
+            self.scheduler.prefilled(c)
+            if c.last:
+                finishing.append(group)
+                last_rows.append(hidden[b, n - 1])
+        if finishing:
+            logits = self.model.logits(torch.stack(last_rows))  # (G, V)
+            self._start_groups(finishing, logits)
+
+    def _prompt_logprobs(self, group: Group, c: PrefillChunk, logits: Tensor) -> None:
+        """Logits at positions start..end-1 score prompt tokens start+1..end (those that exist)."""
+        prompt = group.request.prompt_token_ids
+        n = min(c.end, len(prompt) - 1) - c.start
+        if n <= 0:
+            return
+        logprobs = torch.log_softmax(logits[:n], dim=-1)  # (n, V)
+        targets = torch.tensor(prompt[c.start + 1:c.start + 1 + n], device=logprobs.device)
+        assert group.prompt_token_logprobs is not None and group.prompt_top_logprobs is not None
+        group.prompt_token_logprobs += logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        k = group.request.sampling.prompt_logprobs or 0
+        if k:
+            values, indices = logprobs.topk(k, dim=-1)
+            group.prompt_top_logprobs += [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+        else:
+            group.prompt_top_logprobs += [[] for _ in range(n)]
+
+    def _start_groups(self, groups: list[Group], logits: Tensor) -> None:
+        """Prompts done: share the prefill with the other slots and take each first token."""
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for g, group in enumerate(groups):
+            live = [s for s in group.seqs if not s.finished]
+            if group.request.sampling.max_tokens == 0 or group.prompt_len >= self.max_len:
+                for seq in live:
+                    self._finish(seq, "length")
+                continue
+            self.cache.copy_slot(group.prefill_slot, [s.slot for s in live if s.slot != group.prefill_slot],
+                                 group.prompt_len)
+            if group.beam is not None:
+                self._beam_step(group, logits[g:g + 1].expand(len(live), -1).clone(), first=True)
+                continue
+            rows += [g] * len(live)
+            seqs += live
+        if seqs:
+            self._sample(logits[rows], seqs)
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        B = len(seqs)
+        slots = [s.slot for s in seqs]
+        positions = [s.num_cached for s in seqs]
+        tokens = torch.tensor([[s.last_token] for s in seqs], device=self.device)  # (B, 1)
+        pos = torch.tensor(positions, device=self.device).unsqueeze(1)  # (B, 1)
+        length = max(positions) + 1
+        mask = None
+        if min(positions) + 1 != length:
+            mask = (self._positions[:length] <= pos).view(B, 1, 1, length)  # (B, 1, 1, L)
+        ctx = ForwardContext(pos, torch.tensor(slots, device=self.device), _contiguous(slots), length, mask)
+        hidden = self.model(tokens, ctx, self.cache)  # (B, 1, dim)
+        logits = self.model.logits(hidden[:, 0])  # (B, V)
+        self.num_decode_forwards += 1
+        for seq in seqs:
+            seq.num_cached += 1
+        if not any(s.group.beam is not None for s in seqs):
+            self._sample(logits, seqs)
+            return
+        plain = [i for i, s in enumerate(seqs) if s.group.beam is None]
+        if plain:
+            self._sample(logits[plain], [seqs[i] for i in plain])
+        beams: dict[Group, list[int]] = {}
+        for i, s in enumerate(seqs):
+            if s.group.beam is not None:
+                beams.setdefault(s.group, []).append(i)
+        for group, idx in beams.items():
+            self._beam_step(group, logits[idx], first=False)
+
+    # ---- after the model ---------------------------------------------------------------------
+    def _sample(self, logits: Tensor, seqs: list[Sequence]) -> None:
+        result = self.sampler.sample(logits, seqs)
+        for i, (seq, token) in enumerate(zip(seqs, result.token_ids)):
+            seq.output_ids.append(token)
+            seq.pending_ids.append(token)
+            p = seq.params
+            if result.logprobs is not None:
+                seq.cumulative_logprob += result.logprobs[i]
+                if p.logprobs is not None:
+                    seq.pending_logprobs.append(result.logprobs[i])
+                    seq.pending_top.append(result.top_logprobs[i] if result.top_logprobs else [])
+            self._dirty[seq] = None
+            if seq.constraint is not None:
+                seq.constraint.accept_token(token)
+                if seq.constraint.is_terminated():
+                    self._finish(seq, "stop")
+                    continue
+            if token in p.stop_token_ids:
+                seq.stop_token_id = token
+                self._finish(seq, "stop")
+            elif token in self.eos_token_ids and not p.ignore_eos:
+                self._finish(seq, "stop")
+            elif len(seq.output_ids) >= p.max_tokens or seq.total_len >= self.max_len:
+                self._finish(seq, "length")
+
+    def _beam_step(self, group: Group, logits: Tensor, first: bool) -> None:
+        beam = group.beam
+        seqs = group.seqs
+        logprobs = torch.log_softmax(self.sampler.process(logits, seqs), dim=-1)  # (W, V)
+        at_limit = seqs[0].total_len + 1 >= self.max_len
+        if first:
+            beam.sums = [0.0] * beam.width
+        picks = beam.step([s.output_ids for s in seqs], logprobs, first, at_limit)
+        if beam.done:
+            for seq, hyp in zip(seqs, beam.hyps):
+                seq.output_ids = hyp.token_ids
+                seq.pending_ids = list(hyp.token_ids)
+                seq.cumulative_logprob = hyp.score
+                self._finish(seq, hyp.finish_reason)
+            for seq in seqs[len(beam.hyps):]:
+                self._finish(seq, "length")
+            return
+        while len(picks) < beam.width:  # only if nearly every candidate ended: repeat the best
+            picks.append(picks[0])
+            beam.sums.append(beam.sums[0])
+        outputs = [s.output_ids for s in seqs]
+        self.cache.reorder([s.slot for s in seqs], [seqs[p].slot for p, _ in picks], seqs[0].num_cached)
+        for seq, (parent, token) in zip(seqs, picks):
+            seq.output_ids = outputs[parent] + [token]
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+        self._dirty[seq] = None
+
+    def drain(self) -> list[SequenceOutput]:
+        """Deltas for everything that changed since the last call."""
+        out = []
+        for seq in self._dirty:
+            group = seq.group
+            if group.beam is not None and not group.finished and seq.finish_reason != "abort":
+                continue
+            p = seq.params
+            delta = SequenceOutput(
+                request_id=group.request_id, index=seq.index, token_ids=seq.pending_ids,
+                finish_reason=seq.finish_reason, stop_token_id=seq.stop_token_id,
+                cumulative_logprob=seq.cumulative_logprob, num_prompt_tokens=group.prompt_len,
+            )
+            if p.logprobs is not None and group.beam is None:
+                delta.logprobs, delta.top_logprobs = seq.pending_logprobs, seq.pending_top
+                seq.pending_logprobs, seq.pending_top = [], []
+            if seq.index == 0 and not group.prompt_sent and group.prompt_token_logprobs is not None \
+                    and group.prefill_done:
+                delta.prompt_token_logprobs = group.prompt_token_logprobs
+                delta.prompt_logprobs = group.prompt_top_logprobs
+                group.prompt_sent = True
+            seq.pending_ids = []
+            out.append(delta)
+        self._dirty.clear()
+        return out
+
+
+def _contiguous(slots: list[int]) -> int | None:
+    """The first slot when ``slots`` are consecutive and ascending (the cache is then a view)."""
+    first = slots[0]
+    return first if slots[-1] - first == len(slots) - 1 and slots == list(range(first, first + len(slots))) else None

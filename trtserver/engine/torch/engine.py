@@ -1,0 +1,174 @@
+"""``TorchEngine``: the portable engine (CPU, or CUDA without TensorRT-LLM).
+
+    engine = TorchEngine(config)                       # a ServerConfig
+    engine = TorchEngine.from_dir("engines/SmolLM2-135M-Instruct", dtype="float32")
+    await engine.start()                               # loads the model (off the event loop)
+    async for delta in engine.generate(request): ...   # closing early aborts the request
+    await engine.shutdown()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trtserver.config import ServerConfig
+from trtserver.engine.base import Capabilities, EngineInfo, EngineStats, GenerationRequest, SequenceOutput
+from trtserver.errors import ContextLengthExceeded, EngineError, InvalidRequest, Overloaded
+from trtserver.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TorchEngine:
+    def __init__(self, config: ServerConfig, *, seed: int | None = None) -> None:
+        self.config = config
+        self.path = Path(config.engine_dir)
+        if not (self.path / "config.json").exists():
+            raise FileNotFoundError(f"{self.path}: no config.json; build the engine directory with `make engines`")
+        self.model_config: dict[str, Any] = json.loads((self.path / "config.json").read_text())
+        self.manifest = _read_manifest(self.path)
+        self._tokenizer = Tokenizer.from_dir(self.path)
+        self.device = resolve_device(config.device)
+        self.dtype: torch.dtype | None = None if config.dtype == "auto" else _DTYPES[config.dtype]
+        if self.dtype is None and self.device.type == "cuda":
+            self.dtype = torch.bfloat16
+        context = (config.max_model_len or self.manifest.get("context_length")
+                   or self.model_config.get("max_position_embeddings") or 2048)
+        self.max_model_len = int(context)
+        self.seed = seed
+        self.core: Any = None
+        self.runner: Any = None
+        self._info = EngineInfo(
+            model_name=config.served_model_name or self.manifest.get("served_model_name") or self.path.name,
+            context_length=self.max_model_len,
+            vocab_size=int(self.model_config["vocab_size"]),
+            eos_token_ids=self._tokenizer.eos_token_ids,
+            capabilities=Capabilities(max_logprobs=max(20, config.max_logprobs)),
+            fingerprint_inputs={k: self.manifest[k] for k in ("served_model_name", "weights_sha256", "dtype",
+                                                              "format", "format_version") if k in self.manifest},
+            backend="torch",
+        )
+
+    @classmethod
+    def from_dir(cls, engine_dir: str | Path, *, seed: int | None = None, **options: Any) -> TorchEngine:
+        """Options are ServerConfig fields: ``device``, ``dtype``, ``max_batch_size``, ..."""
+        return cls(ServerConfig(engine_dir=str(engine_dir), engine="torch", **options), seed=seed)
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    # ---- life cycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.runner is not None:
+            return
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.load)
+        from trtserver.engine.torch.runner import Runner
+
+        self.runner = Runner(self.core)
+        self.runner.start(loop)
+
+    def load(self) -> None:
+        """Load the model and allocate the cache (blocking; ``start`` runs it in a thread)."""
+        from trtserver.engine.torch.core import EngineCore
+        from trtserver.engine.torch.model import load_model
+
+        if self.config.threads > 0:
+            torch.set_num_threads(self.config.threads)
+        t0 = time.perf_counter()
+        dtype = self.dtype or pick_cpu_dtype()
+        model = load_model(self.path, dtype, self.device)
+        self.dtype = dtype
+        self.core = EngineCore(model, num_slots=self.config.max_batch_size, max_len=self.max_model_len,
+                               chunk_size=self.config.prefill_chunk_size, eos_token_ids=self._info.eos_token_ids,
+                               device=self.device, seed=self.seed)
+        if self.device.type == "cuda" and self.config.cuda_graphs:
+            from trtserver.engine.torch.graphs import capture_decode_graphs
+
+            capture_decode_graphs(self.core)
+        log.info("torch engine: %s on %s as %s, %d slots x %d positions, loaded in %.1fs", self.path.name,
+                 self.device, str(dtype).removeprefix("torch."), self.config.max_batch_size,
+                 self.max_model_len, time.perf_counter() - t0)
+
+    async def shutdown(self) -> None:
+        if self.runner is not None:
+            await self.runner.stop()
+            self.runner = None
+
+    # ---- requests -----------------------------------------------------------------------------
+    def generate(self, request: GenerationRequest) -> AsyncIterator[SequenceOutput]:
+        if self.runner is None:
+            raise EngineError("the engine is not started")
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len > self.max_model_len:
+            raise ContextLengthExceeded(
+                f"the prompt has {prompt_len} tokens; this model's context is {self.max_model_len}", param="prompt")
+        if max(1, request.n) > self.config.max_batch_size:
+            raise InvalidRequest(f"n={request.n} exceeds the engine's {self.config.max_batch_size} sequence slots",
+                                 param="n")
+        if self.core.scheduler.num_waiting >= self.config.max_waiting:
+            raise Overloaded("too many requests are waiting; retry later")
+        return self.runner.generate(request, max(1, request.n))
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        if self.runner is not None:
+            self.runner.abort(request_id, index)
+
+    def stats(self) -> EngineStats:
+        if self.core is None:
+            return EngineStats(slots_total=self.config.max_batch_size)
+        s = self.core.scheduler
+        return EngineStats(running=s.num_running, waiting=s.num_waiting, slots_total=s.num_slots,
+                           slots_used=s.slots_used)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EngineError(f"device {name!r} was asked for but CUDA is not available")
+    return device
+
+
+def pick_cpu_dtype() -> torch.dtype:
+    """bfloat16 where the CPU multiplies it natively (measured faster), else float32."""
+    return _measured_cpu_dtype()
+
+
+def _measured_cpu_dtype() -> torch.dtype:
+    # a decode-shaped matmul (one row against an MLP-sized weight) in both dtypes
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(2048, 1024, dtype=dtype)
+        x = torch.randn(4, 1024, dtype=dtype)
+        for _ in range(3):
+            torch.nn.functional.linear(x, w)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            torch.nn.functional.linear(x, w)
+        results[dtype] = time.perf_counter() - t0
+    return min(results, key=results.__getitem__)
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    file = path / "trtserver.json"
+    if not file.exists():
+        return {}
+    data = json.loads(file.read_text())
+    return data if isinstance(data, dict) else {}

@@ -1,0 +1,137 @@
+"""The bridge between asyncio and the one worker thread that owns the model.
+
+The event loop never waits on the model: ``submit`` and ``abort`` put commands on a thread-safe
+queue and wake the worker. The worker runs ``EngineCore.step()`` while there is work and sleeps
+on an event when there is none; after each step it hands all of that step's deltas to the loop
+with ONE ``call_soon_threadsafe``, which pushes each into its request's ``asyncio.Queue``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from trtserver.engine.base import GenerationRequest, SequenceOutput
+from trtserver.errors import EngineError
+from trtserver.engine.torch.core import EngineCore
+
+log = logging.getLogger(__name__)
+
+_Command = tuple[str, object, object]
+
+
+class Runner:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._queues: dict[str, asyncio.Queue[SequenceOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ---- event-loop side -------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._work, name="trtserver-torch-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        for q in self._queues.values():
+            q.put_nowait(EngineError("the engine shut down"))
+
+    async def generate(self, request: GenerationRequest, num_outputs: int) -> AsyncIterator[SequenceOutput]:
+        rid = request.request_id
+        if rid in self._queues:
+            raise ValueError(f"request id {rid!r} is already running")
+        if self._stopping or self._thread is None:
+            raise EngineError("the engine is not running")
+        q: asyncio.Queue[SequenceOutput | BaseException] = asyncio.Queue()
+        self._queues[rid] = q
+        self._send(("add", request, None))
+        finished = False
+        try:
+            while num_outputs:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the worker already dropped the request
+                    raise item
+                if item.finish_reason is not None:
+                    num_outputs -= 1
+                yield item
+            finished = True
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        self._send(("abort", request_id, index))
+
+    def _send(self, command: _Command) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _dispatch(self, outputs: list[SequenceOutput], errors: list[tuple[str, BaseException]]) -> None:
+        queues = self._queues
+        for out in outputs:
+            q = queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+        for rid, exc in errors:
+            q = queues.get(rid)
+            if q is not None:
+                q.put_nowait(exc)
+
+    # ---- worker side -----------------------------------------------------------------------
+    def _work(self) -> None:
+        core = self.core
+        while not self._stopping:
+            errors = self._run_commands()
+            outputs: list[SequenceOutput] = []
+            if core.has_work:
+                try:
+                    outputs = core.step()
+                except Exception as exc:  # fail this step's requests, keep serving the rest
+                    log.exception("engine step failed")
+                    failure = EngineError(f"engine step failed: {exc!r}")
+                    errors += [(rid, failure) for rid in core.fail()]
+                    outputs = core.drain()
+            else:
+                outputs = core.drain()
+            if outputs or errors:
+                self._post(self._dispatch, outputs, errors)
+            if not core.has_work and not self._stopping:
+                self._wake.wait()
+                self._wake.clear()
+
+    def _run_commands(self) -> list[tuple[str, BaseException]]:
+        errors: list[tuple[str, BaseException]] = []
+        while True:
+            try:
+                kind, a, b = self._commands.get_nowait()
+            except queue.Empty:
+                return errors
+            if kind == "add":
+                request = a
+                assert isinstance(request, GenerationRequest)
+                try:
+                    self.core.add(request)
+                except Exception as exc:
+                    errors.append((request.request_id, exc))
+            else:
+                self.core.abort(a, b)  # type: ignore[arg-type]
+
+    def _post(self, fn: Callable[..., None], *args: object) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass

@@ -1,0 +1,173 @@
+"""One batched sampler for every sampling parameter.
+
+The order, per step, for a batch of rows (one per sequence):
+
+1. logits processors (per row, only rows that have them), repetition / frequency / presence
+   penalties, ``logit_bias``, ``allowed_token_ids``, ``min_tokens`` (EOS and stop tokens masked
+   until reached) and guided-decoding bitmasks (one int32 mask for the batch, applied in one op);
+2. logprobs, when any row asked: ``log_softmax`` of the logits *after* step 1 and *before*
+   temperature, top-k, top-p and min-p (vLLM's convention: the model's distribution under the
+   request's hard constraints, not the sampling distribution);
+3. temperature, top-k, top-p, min-p, then one draw per row by inverse CDF from a single uniform
+   number taken from the row's own ``torch.Generator`` (seeded rows: the sequence's generator,
+   so the same seed gives the same tokens whatever else is in the batch). Rows with temperature
+   < 1e-5 take the argmax.
+
+The common case (no penalties, processors, biases or guides) has no per-row tensor work; the
+only host sync is reading the sampled ids (and the logprobs, when asked).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from trtserver.engine.torch.sequence import Sequence
+
+NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # of each sampled token, when any row asked (or beams)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per row, up to that row's k
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: Seq[int], device: torch.device, seed: int | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.device = device
+        self.generator = torch.Generator(device=device)  # shared by unseeded rows
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+        words = (vocab_size + 31) // 32
+        self._bit_shifts = torch.arange(32, dtype=torch.int32, device=device)
+        self.bitmask_words = words
+
+    def new_generator(self, seed: int, index: int) -> torch.Generator:
+        """The generator of sequence ``index`` of a request seeded with ``seed``."""
+        g = torch.Generator(device=self.device)
+        g.manual_seed((seed * 1_000_003 + index * 7919) % (2**63 - 1) if index else seed % (2**63 - 1))
+        return g
+
+    # ---- step 1 ---------------------------------------------------------------------------
+    def process(self, logits: Tensor, rows: Seq[Sequence]) -> Tensor:
+        """Apply processors, penalties, biases and masks to ``logits`` (B, V) in place."""
+        for i, seq in enumerate(rows):
+            p = seq.params
+            if seq.processors:
+                for proc in seq.processors:
+                    proc(seq.output_ids, logits[i])
+            if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+                self._penalize(logits[i], seq)
+            if p.logit_bias:
+                ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
+                bias = torch.tensor([b for _, b in p.logit_bias], device=logits.device, dtype=logits.dtype)
+                logits[i].index_add_(0, ids, bias)
+            if p.allowed_token_ids is not None:
+                keep = logits[i, list(p.allowed_token_ids)].clone()
+                logits[i].fill_(NEG_INF)
+                logits[i, list(p.allowed_token_ids)] = keep
+            if len(seq.output_ids) < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+                if banned:
+                    logits[i, banned] = NEG_INF
+        if any(seq.constraint is not None for seq in rows):
+            self.apply_bitmask(logits, self.fill_bitmask(rows))
+        return logits
+
+    def _penalize(self, row: Tensor, seq: Sequence) -> None:
+        p = seq.params
+        out = torch.tensor(seq.output_ids, dtype=torch.long, device=row.device)
+        counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
+        if p.repetition_penalty != 1.0:  # HF / vLLM: prompt and output tokens
+            seen = counts > 0
+            seen[torch.tensor(seq.prompt_ids, dtype=torch.long, device=row.device)] = True
+            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row.copy_(torch.where(seen, penalized, row))
+        if p.frequency_penalty:
+            row.sub_(counts * p.frequency_penalty)
+        if p.presence_penalty:
+            row.sub_((counts > 0).to(row.dtype) * p.presence_penalty)
+
+    def fill_bitmask(self, rows: Seq[Sequence]) -> Tensor:
+        """One ``(B, ceil(V / 32))`` int32 mask; unconstrained rows allow everything."""
+        mask = torch.full((len(rows), self.bitmask_words), -1, dtype=torch.int32)
+        for i, seq in enumerate(rows):
+            if seq.constraint is not None:
+                mask[i] = 0
+                seq.constraint.fill_bitmask(mask, i)
+        return mask
+
+    def apply_bitmask(self, logits: Tensor, mask: Tensor) -> None:
+        """Unpack bits (bit t % 32 of word t // 32 = token t allowed) and mask the rest."""
+        mask = mask.to(logits.device, non_blocking=True)
+        bits = (mask.unsqueeze(-1) >> self._bit_shifts) & 1  # (B, W, 32)
+        allowed = bits.view(mask.shape[0], -1)[:, : logits.shape[1]].bool()  # (B, V)
+        logits.masked_fill_(~allowed, NEG_INF)
+
+    # ---- steps 2 and 3 --------------------------------------------------------------------
+    def sample(self, logits: Tensor, rows: Seq[Sequence], *, want_logprobs: bool = False) -> SampleResult:
+        """Process ``logits`` (B, V) float32 in place and draw one token per row."""
+        self.process(logits, rows)
+        params = [seq.params for seq in rows]
+        top_k = [p.logprobs or 0 for p in params]
+        need_logprobs = want_logprobs or any(p.logprobs is not None for p in params)
+        logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
+
+        if all(p.temperature < 1e-5 for p in params):
+            ids = logits.argmax(dim=-1)
+        else:
+            ids = self._draw(logits, rows)
+
+        token_ids: list[int] = ids.tolist()
+        result = SampleResult(token_ids)
+        if logprobs is not None:
+            result.logprobs = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+            k = max(top_k)
+            if k:
+                values, indices = logprobs.topk(k, dim=-1)
+                values, indices = values.tolist(), indices.tolist()
+                result.top_logprobs = [list(zip(indices[i][: top_k[i]], values[i][: top_k[i]]))
+                                       for i in range(len(rows))]
+        return result
+
+    def _draw(self, logits: Tensor, rows: Seq[Sequence]) -> Tensor:
+        params = [seq.params for seq in rows]
+        dev = logits.device
+        greedy = [p.temperature < 1e-5 for p in params]
+        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=dev)
+        scaled = logits / temps.unsqueeze(1)  # (B, V)
+        if any(p.top_k > 0 for p in params):
+            vocab = scaled.shape[1]
+            ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+            kth = scaled.topk(max(ks), dim=-1).values  # (B, kmax), descending
+            thresh = kth.gather(1, torch.tensor(ks, device=dev).unsqueeze(1) - 1)  # (B, 1)
+            thresh[torch.tensor([p.top_k <= 0 for p in params], device=dev)] = NEG_INF
+            scaled.masked_fill_(scaled < thresh, NEG_INF)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
+            sorted_logits, order = scaled.sort(dim=-1, descending=True)
+            probs = sorted_logits.softmax(dim=-1)
+            drop = (probs.cumsum(dim=-1) - probs) > top_p  # mass before this token already > top_p
+            scaled.scatter_(1, order, sorted_logits.masked_fill(drop, NEG_INF))
+        probs = scaled.softmax(dim=-1)  # (B, V)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+            probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        cdf = probs.cumsum(dim=-1)  # (B, V)
+        # one uniform in (0, 1] per row, each from the row's own generator
+        u = 1.0 - torch.cat([torch.rand(1, device=dev, generator=seq.generator or self.generator) for seq in rows])
+        ids = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+        if any(greedy):
+            ids = torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), ids)
+        return ids
