@@ -1,0 +1,4 @@
+from tensorrt_llm.hlapi.llm import LLM
+from tensorrt_llm.hlapi.utils import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]

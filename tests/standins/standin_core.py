@@ -1,0 +1,153 @@
+"""The scripted "model" shared by the tensorrt_llm stand-ins (test-only; never installed).
+
+A request produces, per step, one token per sequence from ``SCRIPT`` (sequence i is shifted by i),
+honouring the sampling params' own names (max_tokens or max_new_tokens, end_id, stop_token_ids,
+ignore_eos, n/best_of or beam_width, logprobs / _return_log_probs / return_log_probs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCRIPT: list[int] = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]
+UNKNOWN = object()
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None
+
+
+def read_engine_config(model: str | Path) -> dict[str, Any]:
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist")
+    return dict(json.loads(path.read_text()))
+
+
+def check_kwargs(kwargs: dict[str, Any], allowed: set[str]) -> None:
+    for key in kwargs:
+        if key not in allowed:
+            raise ValueError(f"LLM got invalid argument: {key}")
+
+
+def require_loop() -> None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        raise RuntimeError("The asyncio event loop was not present during initialization, so async "
+                           "operations are not available") from None
+
+
+def get(sp: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        value = getattr(sp, name, UNKNOWN)
+        if value is not UNKNOWN and value is not None:
+            return value
+    return default
+
+
+class Result:
+    """Base of RequestOutput / GenerationResult: mutable, async-iterable (streaming), awaitable."""
+
+    _next_id = 0
+
+    def __init__(self, prompt_token_ids: list[int], outputs: list[Any], *, streaming: bool) -> None:
+        Result._next_id += 1
+        self.request_id = Result._next_id
+        self.prompt_token_ids = prompt_token_ids
+        self._outputs = outputs
+        self._streaming = streaming
+        self._done = False
+        self._events: asyncio.Queue[bool] = asyncio.Queue()
+        self._finished_event = asyncio.Event()
+        self._cancel = False
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def outputs(self) -> list[Any]:
+        return self._outputs
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def _push(self, final: bool) -> None:
+        if final:
+            self._done = True
+            self._finished_event.set()
+        if self._streaming or final:
+            self._events.put_nowait(final)
+
+    def __aiter__(self) -> Result:
+        return self
+
+    async def __anext__(self) -> Result:
+        if self._done and self._events.empty():
+            raise StopAsyncIteration
+        await self._events.get()
+        return self
+
+    def __await__(self) -> Any:
+        async def wait() -> Result:
+            await self._finished_event.wait()
+            return self
+        return wait().__await__()
+
+
+async def run(result: Result, sp: Any, llm: Any, *, finish_reasons: bool) -> None:
+    """Drive ``result`` through the script; honours the sampling params' own names."""
+    script = getattr(llm, "script", None) or SCRIPT
+    max_tokens = get(sp, "max_tokens", "max_new_tokens", default=32)
+    end_id = get(sp, "end_id")
+    stop_ids = list(get(sp, "stop_token_ids", default=[]) or [])
+    ignore_eos = bool(get(sp, "ignore_eos", default=False))
+    top_k = get(sp, "logprobs")
+    floats = bool(getattr(sp, "_return_log_probs", False) or get(sp, "return_log_probs", default=False))
+    prompt_lp = get(sp, "prompt_logprobs")
+    outs = result.outputs
+    if prompt_lp:
+        outs[0].prompt_logprobs = [{t: Logprob(-2.0, 1)} for t in result.prompt_token_ids[1:]]
+    live = list(range(len(outs)))
+    for step in range(max_tokens):
+        await asyncio.sleep(0)
+        if result._cancel:
+            for i in live:
+                if finish_reasons:
+                    outs[i].finish_reason = "cancelled"
+            result._push(final=True)
+            return
+        for i in list(live):
+            o = outs[i]
+            tok = script[(step + i) % len(script)]
+            if end_id is not None and tok == end_id and not ignore_eos:
+                _finish(o, "stop", None, finish_reasons)
+                live.remove(i)
+                continue
+            o.token_ids.append(tok)
+            if top_k:
+                o.logprobs.append({tok: Logprob(-0.25, 1), tok + 1: Logprob(-1.5, 2)})
+            elif floats:
+                o.logprobs.append(-0.25)
+            o.cumulative_logprob = (o.cumulative_logprob or 0.0) - 0.25
+            if tok in stop_ids:
+                _finish(o, "stop", tok, finish_reasons)
+                live.remove(i)
+            elif len(o.token_ids) >= max_tokens:
+                _finish(o, "length", None, finish_reasons)
+                live.remove(i)
+        if not live:
+            break
+        result._push(final=False)
+    result._push(final=True)
+
+
+def _finish(o: Any, reason: str, stop_reason: int | None, finish_reasons: bool) -> None:
+    if finish_reasons:
+        o.finish_reason = reason
+        o.stop_reason = stop_reason

@@ -1,0 +1,4 @@
+from tensorrt_llm.llmapi.llm import LLM, RequestOutput
+from tensorrt_llm.sampling_params import GuidedDecodingParams, SamplingParams
+
+__all__ = ["LLM", "RequestOutput", "GuidedDecodingParams", "SamplingParams"]

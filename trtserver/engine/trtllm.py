@@ -1,0 +1,397 @@
+"""TensorRT-LLM engine: a thin adapter over TRT-LLM's LLM API, one code path per API generation.
+
+``tensorrt_llm`` is imported when a ``TrtllmEngine`` is constructed, never at package import.
+The generation (1.x prebuilt engine, 1.x PyTorch backend, 0.12–0.21, v0.12.0-jetson) is probed at
+run time (``trtllm_version``); what each request field becomes is the table in
+``trtllm_mapping`` (also rendered into ``docs/deploy.md``). The executor already does in-flight
+batching, paged KV cache and CUDA graphs; this file only translates requests and streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import pickle
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trtserver.engine.base import Capabilities, EngineInfo, EngineStats, GenerationRequest, SequenceOutput
+from trtserver.engine.trtllm_mapping import needs_logits_processor, refusals
+from trtserver.engine.trtllm_request import generate_kwargs, guided_kwargs, llm_kwargs, prepare
+from trtserver.engine.trtllm_stream import StreamTranslator
+from trtserver.engine.trtllm_version import (
+    ApiFeatures,
+    BuildFacts,
+    Generation,
+    detect,
+    guided_params_class,
+    llm_class,
+    lora_request_class,
+    parse_release,
+    sampling_params_class,
+)
+from trtserver.errors import EngineError, InvalidRequest, Unsupported
+from trtserver.manifest import Manifest, ManifestError, load_manifest
+from trtserver.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from trtserver.config import ServerConfig
+
+__all__ = ["TrtllmEngine", "trtllm_unavailable_reason", "installed_trtllm_version"]
+
+_ABORT = object()
+_DONE = object()
+
+
+def installed_trtllm_version() -> str | None:
+    """The installed distribution's version, read from metadata without importing it."""
+    for dist in ("tensorrt_llm", "tensorrt-llm"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def trtllm_unavailable_reason(config: ServerConfig, *, allow_hf_checkpoint: bool = False) -> str | None:
+    """Why ``--engine auto`` must not pick TensorRT-LLM for ``config``; None when it can.
+
+    Never imports ``tensorrt_llm``; imports torch only to ask for CUDA. ``allow_hf_checkpoint``
+    accepts an engine directory without a TensorRT engine (TRT-LLM 1.x's PyTorch backend), which
+    ``--engine trtllm`` may do but ``auto`` should not.
+    """
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        return "TensorRT-LLM is not installed"
+    if importlib.util.find_spec("torch") is None:
+        return "PyTorch (which TensorRT-LLM needs) is not importable"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    try:
+        manifest = load_manifest(config.engine_dir)
+    except ManifestError as exc:
+        return str(exc)
+    installed = installed_trtllm_version()
+    if manifest.trtllm is None:
+        if allow_hf_checkpoint and installed is not None and parse_release(installed) >= (1, 0, 0):
+            return None
+        return (f"{config.engine_dir} holds no TensorRT-LLM engine (manifest has no trtllm entry); "
+                "run `make engines` on a machine with TensorRT-LLM")
+    engine = Path(config.engine_dir) / manifest.trtllm.engine_dir
+    if not (engine / "config.json").is_file():
+        return f"{engine}/config.json is missing: the TensorRT-LLM engine directory is incomplete"
+    if installed is not None and installed != manifest.trtllm.version:
+        return (f"the engine was built with TensorRT-LLM {manifest.trtllm.version} but {installed} is "
+                "installed; engines only load in the version that built them: rebuild with `make engines`")
+    return None
+
+
+@dataclass(slots=True)
+class _Active:
+    request: GenerationRequest
+    queue: asyncio.Queue[Any]
+    abortable: bool
+    output: Any = None
+    pump: asyncio.Task[None] | None = None
+    cancelled: set[int] = field(default_factory=set)
+    aborted: bool = False
+
+
+class TrtllmEngine:
+    """``Engine`` over TensorRT-LLM's LLM API."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.engine_path = Path(config.engine_dir)
+        self.manifest: Manifest = load_manifest(self.engine_path)
+        tokenizer_dir = (self.engine_path / self.manifest.tokenizer).parent
+        self._tokenizer = Tokenizer.from_dir(tokenizer_dir)
+        self.tokenizer_dir = tokenizer_dir
+        self.trt_engine_dir: Path | None = None
+        build = BuildFacts()
+        if self.manifest.trtllm is not None:
+            self.trt_engine_dir = self.engine_path / self.manifest.trtllm.engine_dir
+            build = BuildFacts.from_config(json.loads((self.trt_engine_dir / "config.json").read_text()))
+        self.tp = int(getattr(config, "tensor_parallel_size", 1) or 1)
+        self.pp = int(getattr(config, "pipeline_parallel_size", 1) or 1)
+        self.trtllm: ModuleType = importlib.import_module("tensorrt_llm")
+        features = detect(self.trtllm, has_engine=self.trt_engine_dir is not None, build=build)
+        gather = (bool(getattr(config, "trtllm_gather_generation_logits", False))
+                  or build.gather_generation_logits)
+        self.features: ApiFeatures = features.with_options(
+            gather_generation_logits=gather and features.generation is not Generation.JETSON,
+            guided_backend=self._guided_backend(features),
+            lora_enabled=config.adapters_dir is not None and features.lora)
+        self._llm: Any = None
+        self._active: dict[str, _Active] = {}
+        self._pumps: set[asyncio.Task[None]] = set()
+        self._lora_ids: dict[str, int] = {}
+        self._info = self._make_info()
+
+    # --- Engine protocol ---------------------------------------------------------------------
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    async def start(self) -> None:
+        """Construct TRT-LLM's LLM on the loop thread (it loads the engine; this blocks until ready)."""
+        if self._llm is not None:
+            return
+        if self.tp * self.pp == 1:
+            # in-process executor worker: our per-request logits processors need not be pickled
+            os.environ.setdefault("TLLM_WORKER_USE_SINGLE_PROCESS", "1")
+        os.environ.setdefault("TLLM_ALLOW_N_GREEDY_DECODING", "1")  # greedy n>1: serving asked for it
+        cls = llm_class(self.trtllm, self.features.generation)
+        model = str(self.trt_engine_dir or self.engine_path)
+        kwargs = llm_kwargs(self.features, tokenizer_dir=str(self.tokenizer_dir), tp=self.tp, pp=self.pp,
+                            lora=self._lora_llm_kwargs())
+        self._llm = cls(model=model, **kwargs)
+
+    async def shutdown(self) -> None:
+        for request_id in list(self._active):
+            self.abort(request_id)
+        llm, self._llm = self._llm, None
+        if llm is not None and hasattr(llm, "shutdown"):
+            await asyncio.to_thread(llm.shutdown)
+
+    def check(self, request: GenerationRequest) -> list[tuple[str, str]]:
+        """``(param, reason)`` for what this TensorRT-LLM cannot do in ``request`` (empty: servable)."""
+        found = refusals(request, self.features)
+        if request.adapter is not None and not found:
+            try:
+                self._adapter_path(request.adapter)
+            except InvalidRequest as exc:
+                found.append(("peft", exc.message))
+        return found
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[SequenceOutput]:
+        return self._generate(request)
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        active = self._active.get(request_id)
+        if active is None:
+            return
+        if index is None:
+            active.cancelled.update(range(active.request.n))
+        else:
+            active.cancelled.add(index)
+        if len(active.cancelled) >= active.request.n:
+            self._cancel(active)
+        active.queue.put_nowait(_ABORT)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(running=len(self._active), slots_total=self.features.build.max_batch_size)
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _guided_backend(self, f: ApiFeatures) -> str | None:
+        wanted = getattr(self.config, "trtllm_guided_decoding_backend", "xgrammar")
+        if not wanted or not f.has_guided_params:
+            return None
+        if wanted == "xgrammar" and importlib.util.find_spec("xgrammar") is None:
+            return None
+        if wanted != "xgrammar" and f.trt_backend:
+            return None  # the TRT backend accepts only xgrammar (anything else raises at LLM())
+        return str(wanted)
+
+    def _make_info(self) -> EngineInfo:
+        f = self.features
+        eos = self._tokenizer.eos_token_ids
+        context = self.manifest.context_length
+        if f.build.max_seq_len:
+            context = min(context, f.build.max_seq_len)
+        vocab = max(self._tokenizer.vocab_size, f.build.vocab_size)
+        beam = f.trt_backend and f.build.max_beam_width > 1 and (
+            "use_beam_search" in f.sampling_fields or "beam_width" in f.sampling_fields)
+        if f.trt_backend:
+            max_logprobs = self.config.max_logprobs if f.gather_generation_logits else 0
+        else:
+            max_logprobs = self.config.max_logprobs if f.release >= (1, 1, 0) else 1
+        prompt_lp = f.build.gather_context_logits if f.trt_backend else f.release >= (1, 1, 0)
+        caps = Capabilities(
+            prompt_logprobs="prompt_logprobs" in f.sampling_fields and prompt_lp,
+            beam_search=beam,
+            logits_processors=f.dynamic_logits_processor,
+            guided_decoding=f.dynamic_logits_processor or f.guided_backend is not None,
+            multiple_sequences=f.multiple_sequences,
+            abort=f.has_abort,
+            priority=f.priority,
+            adapters=f.lora_enabled,
+            max_logprobs=max_logprobs,
+        )
+        fingerprint: dict[str, Any] = {"trtllm_version": f.version, "trtllm_generation": f.generation.value,
+                                       "weights_sha256": self.manifest.weights_sha256}
+        if self.manifest.trtllm is not None:
+            fingerprint["trtllm_build_args"] = self.manifest.trtllm.build_args
+        return EngineInfo(model_name=self.config.served_model_name or self.manifest.served_model_name,
+                          context_length=context, vocab_size=vocab, eos_token_ids=eos, capabilities=caps,
+                          fingerprint_inputs=fingerprint, backend="trtllm")
+
+    def _adapter_path(self, name: str) -> Path:
+        root = self.config.adapters_dir
+        if root is None:
+            raise Unsupported("no adapters directory is configured (adapters_dir)", param="peft")
+        path = (Path(root) / name).resolve()
+        if Path(root).resolve() not in path.parents or not path.is_dir():
+            raise InvalidRequest(f"adapter {name!r} is not in the adapters directory", param="peft")
+        return path
+
+    def _lora_llm_kwargs(self) -> dict[str, Any] | None:
+        f = self.features
+        if not f.lora_enabled or (f.trt_backend and not f.build.lora_plugin):
+            return None
+        try:
+            lora_config_cls = importlib.import_module(f"{self.trtllm.__name__}.lora_manager").LoraConfig
+        except (ImportError, AttributeError):
+            return None
+        adapters = sorted(str(p) for p in Path(str(self.config.adapters_dir)).iterdir() if p.is_dir())
+        rank = int(getattr(self.config, "max_lora_rank", 64))
+        lora_config = lora_config_cls(lora_dir=adapters, max_lora_rank=rank, max_loras=8, max_cpu_loras=16)
+        if f.trt_backend:
+            return {"enable_lora": True, "lora_config": lora_config}
+        return {"lora_config": lora_config}
+
+    def _sampling_params(self, request: GenerationRequest) -> tuple[Any, Any]:
+        f = self.features
+        eos = self._tokenizer.eos_token_ids
+        prep = prepare(request, f, eos_ids=eos)
+        kw = prep.kwargs
+        guided = guided_kwargs(request, f)
+        if guided is not None:
+            gd_cls = guided_params_class(self.trtllm)
+            assert gd_cls is not None
+            kw["guided_decoding"] = gd_cls(**guided)
+        s = request.sampling
+        if prep.embedding_bias is not None or prep.allowed_only is not None:
+            kw["embedding_bias"] = self._embedding_bias(prep.embedding_bias or [], prep.allowed_only)
+        if needs_logits_processor(request, f):
+            from trtserver.engine.trtllm_logits import TrtllmLogitsProcessor
+
+            in_bias = "embedding_bias" in kw
+            processor = TrtllmLogitsProcessor(
+                guided=None if guided is not None else request.guided, processors=request.logits_processors,
+                logit_bias=() if in_bias else s.logit_bias,
+                allowed_token_ids=None if in_bias else s.allowed_token_ids, eos_ids=eos)
+            if os.environ.get("TLLM_WORKER_USE_SINGLE_PROCESS") != "1":
+                try:
+                    pickle.dumps(processor)
+                except Exception as exc:  # noqa: BLE001 - any pickling failure means the same
+                    raise Unsupported(f"this request's guide or logits processors cannot be sent to "
+                                      f"TensorRT-LLM's worker process: {exc}",
+                                      param="logits_processors") from exc
+            kw["logits_processor"] = processor
+        try:
+            params = sampling_params_class(self.trtllm)(**kw)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"TensorRT-LLM {f.version} rejected the sampling parameters: {exc}") from exc
+        for name, value in prep.attrs.items():
+            setattr(params, name, value)
+        return params, prep
+
+    def _embedding_bias(self, pairs: list[tuple[int, float]], allowed: tuple[int, ...] | None) -> Any:
+        import torch
+
+        bias = torch.zeros(self._info.vocab_size, dtype=torch.float32)
+        if allowed is not None:
+            bias.fill_(float("-inf"))
+            bias[list(allowed)] = 0.0
+        for tok, value in pairs:
+            bias[tok] += value
+        return bias
+
+    def _lora_request(self, name: str) -> Any:
+        cls = lora_request_class(self.trtllm)
+        if cls is None:
+            raise Unsupported(f"TensorRT-LLM {self.features.version} has no LoRARequest", param="peft")
+        path = self._adapter_path(name)
+        lora_id = self._lora_ids.setdefault(name, len(self._lora_ids) + 1)
+        return cls(name, lora_id, str(path))
+
+    async def _generate(self, request: GenerationRequest) -> AsyncIterator[SequenceOutput]:
+        if self._llm is None:
+            raise EngineError("the TensorRT-LLM engine is not started")
+        problems = self.check(request)
+        if problems:
+            param, reason = problems[0]
+            raise Unsupported(reason, param=param)
+        if request.request_id in self._active:
+            raise InvalidRequest(f"request id {request.request_id!r} is already running", param="request_id")
+        params, prep = self._sampling_params(request)
+        extra = generate_kwargs(request, self.features)
+        if request.adapter is not None:
+            extra["lora_request"] = self._lora_request(request.adapter)
+        translator = StreamTranslator(request, eos_ids=self._tokenizer.eos_token_ids,
+                                      our_stop_ids=prep.our_stop_ids, max_tokens=prep.max_tokens,
+                                      has_finish_reason=self.features.finish_reason)
+        active = _Active(request=request, queue=asyncio.Queue(), abortable=prep.abortable)
+        try:
+            output = self._llm.generate_async(list(request.prompt_token_ids), sampling_params=params,
+                                              streaming=prep.streaming, **extra)
+        except (ValueError, TypeError) as exc:  # TRT-LLM's own per-request checks (_check_arguments)
+            raise InvalidRequest(str(exc)) from exc
+        except RuntimeError as exc:
+            raise EngineError(f"TensorRT-LLM refused the request: {exc}") from exc
+        active.output = output
+        active.pump = asyncio.get_running_loop().create_task(self._pump(output, active.queue, prep.streaming))
+        self._pumps.add(active.pump)
+        active.pump.add_done_callback(self._pumps.discard)
+        self._active[request.request_id] = active
+        try:
+            while not translator.finished:
+                item = await active.queue.get()
+                if item is _ABORT:
+                    for index in sorted(active.cancelled):
+                        if not translator.done[index]:
+                            yield translator.finish(index, "abort")
+                    continue
+                if item is _DONE:
+                    break
+                if isinstance(item, BaseException):
+                    raise EngineError(f"TensorRT-LLM failed the request: {item}") from item
+                for delta in translator.step(item):
+                    if delta.index in active.cancelled:
+                        continue
+                    yield delta
+        finally:
+            if not translator.finished:
+                self._cancel(active)
+            self._active.pop(request.request_id, None)
+
+    @staticmethod
+    async def _pump(output: Any, queue: asyncio.Queue[Any], streaming: bool) -> None:
+        """Read TRT-LLM's result to the end (even after we stop listening, so it is drained)."""
+        try:
+            if streaming:
+                async for state in output:
+                    queue.put_nowait(state)
+            else:
+                queue.put_nowait(await output)
+        except Exception as exc:  # noqa: BLE001 - handed to the reader
+            queue.put_nowait(exc)
+        queue.put_nowait(_DONE)
+
+    def _cancel(self, active: _Active) -> None:
+        """Stop the request in TRT-LLM where the version can; otherwise it runs on to max_tokens."""
+        if active.aborted:
+            return
+        active.aborted = True
+        abort = getattr(active.output, "abort", None)
+        if active.abortable and callable(abort):
+            try:
+                abort()
+            except Exception:  # noqa: BLE001 - already finished or executor gone: nothing to stop
+                pass

@@ -1,0 +1,251 @@
+"""Which TensorRT-LLM API generation is installed, found at run time (never at import time).
+
+Four generations (facts and citations: ``/work/shared/ref/trtllm-api.md``):
+
+* ``1.x-engine``  — 1.x serving a prebuilt TensorRT engine: ``tensorrt_llm._tensorrt_engine.LLM``.
+* ``1.x-pytorch`` — 1.x serving the engine directory's HF checkpoint on TRT-LLM's PyTorch backend
+  (``tensorrt_llm.LLM`` is the PyTorch class from 1.0 on).
+* ``0.x``         — 0.12 … 0.21 with a prebuilt engine: ``tensorrt_llm.LLM`` (``hlapi`` on 0.12).
+* ``0.12-jetson`` — the ``v0.12.0-jetson`` branch (JetPack 6, Python 3.10): ``tensorrt_llm.hlapi``,
+  no abort, no n/best_of, no per-request logits processors, no guided decoding, no LoRA in the LLM class.
+
+Besides the version number, the names that moved are probed on the module itself (SamplingParams
+fields, ``generate_async`` parameters), so a build in between is handled by what it actually has.
+Nothing here imports ``tensorrt_llm``; :func:`detect` receives the already imported module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import inspect
+import platform
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+
+class Generation(str, enum.Enum):
+    V1_ENGINE = "1.x-engine"
+    V1_PYTORCH = "1.x-pytorch"
+    V0 = "0.x"
+    JETSON = "0.12-jetson"
+
+    @property
+    def title(self) -> str:
+        return {
+            Generation.V1_ENGINE: "1.x, TensorRT engine",
+            Generation.V1_PYTORCH: "1.x, PyTorch backend (HF checkpoint)",
+            Generation.V0: "0.12–0.21, TensorRT engine",
+            Generation.JETSON: "v0.12.0-jetson (Orin)",
+        }[self]
+
+
+class TrtllmVersionError(RuntimeError):
+    """The installed TensorRT-LLM cannot serve this engine directory."""
+
+
+_VERSION_RE = re.compile(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+def parse_release(version: str) -> tuple[int, int, int]:
+    """``"1.2.0rc2"`` -> ``(1, 2, 0)``; ``"0.12.0-jetson"`` -> ``(0, 12, 0)``."""
+    m = _VERSION_RE.match(version)
+    if m is None:
+        raise TrtllmVersionError(f"cannot parse the TensorRT-LLM version {version!r}")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def is_jetson_build(version: str) -> bool:
+    """The Jetson wheel is the 0.12 branch built for aarch64 (SM 8.7) on a Tegra system."""
+    if "jetson" in version.lower():
+        return True
+    if parse_release(version)[:2] != (0, 12):
+        return False
+    return on_tegra()
+
+
+def on_tegra() -> bool:
+    return platform.machine() == "aarch64" and Path("/etc/nv_tegra_release").exists()
+
+
+@dataclass(frozen=True, slots=True)
+class BuildFacts:
+    """What the prebuilt engine was built with (``<engine>/config.json`` ``build_config``)."""
+
+    max_batch_size: int = 0
+    max_input_len: int = 0
+    max_seq_len: int = 0
+    max_beam_width: int = 1
+    gather_context_logits: bool = False
+    gather_generation_logits: bool = False
+    lora_plugin: bool = False
+    vocab_size: int = 0
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> BuildFacts:
+        build = config.get("build_config") or {}
+        pretrained = config.get("pretrained_config") or {}
+        plugin = build.get("plugin_config") or {}
+        return cls(
+            max_batch_size=int(build.get("max_batch_size") or 0),
+            max_input_len=int(build.get("max_input_len") or 0),
+            max_seq_len=int(build.get("max_seq_len") or 0),
+            max_beam_width=int(build.get("max_beam_width") or 1),
+            gather_context_logits=bool(build.get("gather_context_logits")
+                                       or build.get("gather_all_token_logits")),
+            gather_generation_logits=bool(build.get("gather_generation_logits")
+                                          or build.get("gather_all_token_logits")),
+            lora_plugin=plugin.get("lora_plugin") not in (None, False, "disable"),
+            vocab_size=int(pretrained.get("vocab_size") or 0),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ApiFeatures:
+    """Everything the adapter decides from: the generation, probed names, build and start options."""
+
+    version: str
+    generation: Generation
+    sampling_fields: frozenset[str]
+    generate_params: frozenset[str]
+    has_abort: bool
+    has_guided_params: bool
+    build: BuildFacts = BuildFacts()
+    # start-time choices (ours), filled in by the engine
+    gather_generation_logits: bool = False
+    guided_backend: str | None = None
+    lora_enabled: bool = False
+
+    @property
+    def release(self) -> tuple[int, int, int]:
+        return parse_release(self.version)
+
+    @property
+    def trt_backend(self) -> bool:
+        return self.generation is not Generation.V1_PYTORCH
+
+    @property
+    def multiple_sequences(self) -> bool:
+        return "n" in self.sampling_fields and "best_of" in self.sampling_fields
+
+    @property
+    def dynamic_logits_processor(self) -> bool:
+        """Per-request ``SamplingParams(logits_processor=…)`` (0.19+)."""
+        return "logits_processor" in self.sampling_fields
+
+    @property
+    def priority(self) -> bool:
+        return "priority" in self.generate_params
+
+    @property
+    def lora(self) -> bool:
+        return "lora_request" in self.generate_params
+
+    @property
+    def finish_reason(self) -> bool:
+        return self.release >= (0, 14, 0)
+
+    def name(self, *candidates: str) -> str | None:
+        """The first of ``candidates`` that this version's SamplingParams accepts (new name first)."""
+        for candidate in candidates:
+            if candidate in self.sampling_fields:
+                return candidate
+        return None
+
+    def with_options(self, **changes: Any) -> ApiFeatures:
+        return dataclasses.replace(self, **changes)
+
+
+def class_fields(cls: type) -> frozenset[str]:
+    """Field names of a dataclass (private non-init ones like ``_return_log_probs`` included, to be
+    set as attributes), or the constructor keywords of a plain class."""
+    if dataclasses.is_dataclass(cls):
+        return frozenset(f.name for f in dataclasses.fields(cls))
+    params = inspect.signature(cls).parameters.values()
+    return frozenset(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def _first_attr(module: ModuleType, paths: Iterable[str]) -> Any:
+    """``"tensorrt_llm.hlapi:LLM"`` style lookups; the first that imports wins."""
+    errors = []
+    for path in paths:
+        mod_name, _, attr = path.partition(":")
+        try:
+            mod = module if mod_name == module.__name__ else importlib.import_module(mod_name)
+            return getattr(mod, attr)
+        except (ImportError, AttributeError) as exc:
+            errors.append(f"{path}: {exc}")
+    raise TrtllmVersionError("none of these TensorRT-LLM names exist: " + "; ".join(errors))
+
+
+def llm_class(module: ModuleType, generation: Generation) -> type:
+    root = module.__name__
+    paths = {
+        Generation.V1_ENGINE: [f"{root}._tensorrt_engine:LLM"],
+        Generation.V1_PYTORCH: [f"{root}:LLM"],
+        Generation.V0: [f"{root}:LLM", f"{root}.hlapi:LLM"],
+        Generation.JETSON: [f"{root}.hlapi:LLM", f"{root}:LLM"],
+    }[generation]
+    return _first_attr(module, paths)  # type: ignore[no-any-return]
+
+
+def sampling_params_class(module: ModuleType) -> type:
+    root = module.__name__
+    return _first_attr(module, [f"{root}:SamplingParams", f"{root}.hlapi:SamplingParams"])  # type: ignore[no-any-return]
+
+
+def guided_params_class(module: ModuleType) -> type | None:
+    root = module.__name__
+    try:
+        return _first_attr(module, [f"{root}.sampling_params:GuidedDecodingParams",  # type: ignore[no-any-return]
+                                    f"{root}.llmapi:GuidedDecodingParams"])
+    except TrtllmVersionError:
+        return None
+
+
+def lora_request_class(module: ModuleType) -> type | None:
+    root = module.__name__
+    try:
+        return _first_attr(module, [f"{root}.executor:LoRARequest",  # type: ignore[no-any-return]
+                                    f"{root}.executor.request:LoRARequest"])
+    except TrtllmVersionError:
+        return None
+
+
+def choose_generation(version: str, *, has_engine: bool) -> Generation:
+    release = parse_release(version)
+    if release < (0, 12, 0):
+        raise TrtllmVersionError(f"TensorRT-LLM {version} is older than 0.12, the oldest supported")
+    if release >= (1, 0, 0):
+        return Generation.V1_ENGINE if has_engine else Generation.V1_PYTORCH
+    if not has_engine:
+        raise TrtllmVersionError(
+            f"TensorRT-LLM {version} needs a prebuilt TensorRT engine (its PyTorch backend starts at 1.0); "
+            "run `make engines` on this machine or serve with --engine torch")
+    return Generation.JETSON if is_jetson_build(version) else Generation.V0
+
+
+def detect(module: ModuleType, *, has_engine: bool, build: BuildFacts | None = None) -> ApiFeatures:
+    """Probe the imported ``tensorrt_llm`` module."""
+    version = str(getattr(module, "__version__", "") or "")
+    if not version:
+        raise TrtllmVersionError("tensorrt_llm has no __version__; is it a stub package from PyPI?")
+    generation = choose_generation(version, has_engine=has_engine)
+    llm_cls = llm_class(module, generation)
+    sp_fields = class_fields(sampling_params_class(module))
+    gen_async = getattr(llm_cls, "generate_async", None)
+    if gen_async is None:
+        raise TrtllmVersionError(f"{llm_cls!r} has no generate_async")
+    gen_params = frozenset(inspect.signature(gen_async).parameters) - {"self"}
+    release = parse_release(version)
+    # RequestOutput.abort() is 0.19+ ("LLM API … Added abort request support"); the Jetson branch has none
+    has_abort = release >= (0, 19, 0) and generation is not Generation.JETSON
+    has_guided = "guided_decoding" in sp_fields and guided_params_class(module) is not None
+    return ApiFeatures(version=version, generation=generation, sampling_fields=sp_fields,
+                       generate_params=gen_params, has_abort=has_abort, has_guided_params=has_guided,
+                       build=build or BuildFacts())
