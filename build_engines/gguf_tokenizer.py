@@ -32,16 +32,22 @@ TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TO
 def build_tokenizer(reader: GGUFReader) -> Tokenizer:
     model = field(reader, "tokenizer.ggml.model")
     if model != "gpt2":
-        raise GgufConvertError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')")
+        raise GgufConvertError(
+            f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')"
+        )
     pre = field(reader, "tokenizer.ggml.pre", "default")
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     if pre in DIGIT_SPLIT_PRE:
-        pre_tokenizer: Any = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        pre_tokenizer: Any = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
     elif pre in PLAIN_BYTELEVEL_PRE:
         pre_tokenizer = byte_level
     else:
-        raise GgufConvertError(f"GGUF pre-tokenizer {pre!r} is not supported "
-                               f"(supported: {sorted(DIGIT_SPLIT_PRE | PLAIN_BYTELEVEL_PRE)})")
+        raise GgufConvertError(
+            f"GGUF pre-tokenizer {pre!r} is not supported "
+            f"(supported: {sorted(DIGIT_SPLIT_PRE | PLAIN_BYTELEVEL_PRE)})"
+        )
 
     tokens: list[str] = list(field(reader, "tokenizer.ggml.tokens"))
     types: list[int] = list(field(reader, "tokenizer.ggml.token_type", [TOKEN_NORMAL] * len(tokens)))
@@ -50,7 +56,9 @@ def build_tokenizer(reader: GGUFReader) -> Tokenizer:
     if len(vocab) != len(tokens):
         raise GgufConvertError("GGUF vocabulary has duplicate tokens")
 
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False)
+    )
     tok.normalizer = None
     tok.pre_tokenizer = pre_tokenizer
     tok.decoder = decoders.ByteLevel()
@@ -82,8 +90,12 @@ def tokenizer_config(reader: GGUFReader, context_length: int) -> dict[str, Any]:
         "clean_up_tokenization_spaces": False,
         "model_max_length": context_length,
     }
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+    for name, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ):
         token = _token(reader, key)
         if token is not None:
             config[name] = token
@@ -95,8 +107,11 @@ def tokenizer_config(reader: GGUFReader, context_length: int) -> dict[str, Any]:
 
 def generation_config(reader: GGUFReader) -> dict[str, Any]:
     config: dict[str, Any] = {}
-    for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                      ("pad_token_id", "padding_token_id")):
+    for name, key in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("pad_token_id", "padding_token_id"),
+    ):
         value = field(reader, f"tokenizer.ggml.{key}")
         if value is not None:
             config[name] = int(value)

@@ -18,8 +18,17 @@ if TYPE_CHECKING:
     import torch
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
-              "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
 _CHUNK = 1 << 20
 
 
@@ -128,8 +137,10 @@ def inspect_checkpoint(path: str | Path) -> HfCheckpoint:
         raise CheckpointError(f"{config_path}: invalid JSON: {exc}") from exc
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if model_type not in ARCHITECTURES:
-        raise CheckpointError(f"{config_path}: model_type {model_type!r} is not supported "
-                              f"(supported: {', '.join(ARCHITECTURES)})")
+        raise CheckpointError(
+            f"{config_path}: model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(ARCHITECTURES)})"
+        )
     if not (path / "tokenizer.json").is_file():
         raise CheckpointError(f"{path}: no tokenizer.json (the server needs a Hugging Face fast tokenizer)")
     return HfCheckpoint(path=path, config=config, weight_files=_weight_files(path))

@@ -73,10 +73,18 @@ def random_hf_weights(spec: TinyLlama, vocab_size: int, seed: int = 0) -> dict[s
 
 
 _TO_GGUF = {
-    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
 }
 
 
@@ -88,8 +96,9 @@ def gguf_name(hf: str) -> str:
     return f"{_TO_GGUF[base]}.{kind}"
 
 
-def write_tiny_gguf(path: Path, spec: TinyLlama = TinyLlama(), *, seed: int = 0,
-                    quantize_embeddings: bool = False) -> dict[str, np.ndarray]:
+def write_tiny_gguf(
+    path: Path, spec: TinyLlama = TinyLlama(), *, seed: int = 0, quantize_embeddings: bool = False
+) -> dict[str, np.ndarray]:
     """Write a llama GGUF the way llama.cpp's converter would; return the HF weights it encodes."""
     import gguf
 
@@ -119,8 +128,9 @@ def write_tiny_gguf(path: Path, spec: TinyLlama = TinyLlama(), *, seed: int = 0,
     w.add_unk_token_id(0)
     w.add_pad_token_id(2)
     w.add_add_bos_token(False)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                        "{% endfor %}")
+    w.add_chat_template(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    )
     for name, array in weights.items():
         if name.endswith("q_proj.weight"):
             array = permute(array, spec.num_attention_heads)
@@ -142,18 +152,23 @@ def tiny_tokenizer_json(path: Path) -> None:
     """A byte-level BPE ``tokenizer.json`` matching :func:`tiny_vocab`."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    tokens, _, merges = tiny_vocab()
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
-                               merges=[tuple(m.split(" ")) for m in merges]))  # type: ignore[misc]
+    tokens, _, _ = tiny_vocab()
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=list(MERGES)))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok.save(str(path))
 
 
-def write_tiny_hf_checkpoint(path: Path, spec: TinyLlama = TinyLlama(), *, seed: int = 0,
-                             torch_dtype: str = "bfloat16", shards: int = 1,
-                             pytorch_bin: bool = False) -> dict[str, np.ndarray]:
+def write_tiny_hf_checkpoint(
+    path: Path,
+    spec: TinyLlama = TinyLlama(),
+    *,
+    seed: int = 0,
+    torch_dtype: str = "bfloat16",
+    shards: int = 1,
+    pytorch_bin: bool = False,
+) -> dict[str, np.ndarray]:
     """Write config.json, weights (safetensors, sharded or .bin) and tokenizer files; return the weights."""
     import json
 
@@ -164,18 +179,29 @@ def write_tiny_hf_checkpoint(path: Path, spec: TinyLlama = TinyLlama(), *, seed:
     weights = random_hf_weights(spec, len(tokens), seed)
     path.mkdir(parents=True, exist_ok=True)
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_hidden_layers,
-        "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_key_value_heads,
-        "head_dim": spec.head_dim, "rms_norm_eps": spec.rms_norm_eps, "rope_theta": spec.rope_theta,
-        "vocab_size": len(tokens), "max_position_embeddings": spec.context_length,
-        "tie_word_embeddings": spec.tie_word_embeddings, "hidden_act": "silu", "bos_token_id": 1,
-        "eos_token_id": 2, "torch_dtype": torch_dtype,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "vocab_size": len(tokens),
+        "max_position_embeddings": spec.context_length,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": torch_dtype,
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False})
+    )
     tiny_tokenizer_json(path / "tokenizer.json")
     dtype = getattr(torch, torch_dtype)
     tensors = {k: torch.from_numpy(v).to(dtype) for k, v in weights.items()}
@@ -192,8 +218,11 @@ def write_tiny_hf_checkpoint(path: Path, spec: TinyLlama = TinyLlama(), *, seed:
         if pytorch_bin:
             torch.save(part, path / file)
         else:
-            save_file({k: v.contiguous().clone() for k, v in part.items()}, str(path / file),
-                      metadata={"format": "pt"})
+            save_file(
+                {k: v.contiguous().clone() for k, v in part.items()},
+                str(path / file),
+                metadata={"format": "pt"},
+            )
         weight_map |= dict.fromkeys(group, file)
     if shards > 1:
         (path / f"{stem}.{ext}.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))

@@ -19,7 +19,9 @@ class TrtllmBuildOptions:
     gather_context_logits: bool = False
 
 
-def maybe_build_trtllm(engine_dir: Path, manifest: Manifest, options: TrtllmBuildOptions) -> TrtllmBuild | None:
+def maybe_build_trtllm(
+    engine_dir: Path, manifest: Manifest, options: TrtllmBuildOptions
+) -> TrtllmBuild | None:
     """Build a TensorRT-LLM engine under ``engine_dir`` when TensorRT-LLM is installed.
 
     ``engine_dir`` is the (staging) engine directory holding the portable checkpoint; the result's

@@ -36,8 +36,10 @@ def write_weights(tensors: Iterable[tuple[str, Any]], path: Path, dtype: str) ->
         from safetensors.numpy import save_file as save_numpy
 
         np_dtype = np.float32 if dtype == "float32" else np.float16
-        arrays = {name: np.ascontiguousarray(v.astype(np_dtype, copy=False))
-                  for name, v in tqdm(items, desc=f"cast {dtype}", unit="tensor", leave=False)}
+        arrays = {
+            name: np.ascontiguousarray(v.astype(np_dtype, copy=False))
+            for name, v in tqdm(items, desc=f"cast {dtype}", unit="tensor", leave=False)
+        }
         save_numpy(arrays, str(path), metadata={"format": "pt"})
         return
     import torch
@@ -48,7 +50,9 @@ def write_weights(tensors: Iterable[tuple[str, Any]], path: Path, dtype: str) ->
     for name, value in tqdm(items, desc=f"cast {dtype}", unit="tensor", leave=False):
         t = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
         # clone: tied weights from a .bin share storage, which safetensors refuses
-        tensors_out[name] = t.to(torch_dtype).contiguous().clone() if t.is_floating_point() else t.contiguous()
+        tensors_out[name] = (
+            t.to(torch_dtype).contiguous().clone() if t.is_floating_point() else t.contiguous()
+        )
     save_torch(tensors_out, str(path), metadata={"format": "pt"})
 
 

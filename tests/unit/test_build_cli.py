@@ -45,8 +45,9 @@ def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
     return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in directory.iterdir()}
 
 
-def test_default_build_from_cached_wheel(fake_wheel_cache: tuple[Path, dict[str, np.ndarray]], tmp_path: Path,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_default_build_from_cached_wheel(
+    fake_wheel_cache: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cache, weights = fake_wheel_cache
     args = parse("--cache-dir", str(cache), "--out", str(tmp_path / "engines"))
     engine_dir = run_build(args)
@@ -54,8 +55,15 @@ def test_default_build_from_cached_wheel(fake_wheel_cache: tuple[Path, dict[str,
     out = capsys.readouterr().out
     assert "TensorRT-LLM not installed: built only the portable engine directory" in out
     assert sorted(p.name for p in engine_dir.iterdir()) == sorted(
-        ["config.json", "generation_config.json", "model.safetensors", MANIFEST_NAME, "tokenizer.json",
-         "tokenizer_config.json"])
+        [
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            MANIFEST_NAME,
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ]
+    )
     assert [p.name for p in engine_dir.parent.iterdir()] == [NAME]  # no staging leftovers
 
     manifest = load_manifest(engine_dir)
@@ -70,7 +78,9 @@ def test_default_build_from_cached_wheel(fake_wheel_cache: tuple[Path, dict[str,
     assert manifest.created_by.startswith("trtserver ") and manifest.created_by.endswith(" build_engines")
     import hashlib
 
-    assert manifest.weights_sha256 == hashlib.sha256((engine_dir / "model.safetensors").read_bytes()).hexdigest()
+    assert (
+        manifest.weights_sha256 == hashlib.sha256((engine_dir / "model.safetensors").read_bytes()).hexdigest()
+    )
 
     stored = load_numpy(engine_dir / "model.safetensors")
     assert set(stored) == set(weights)
@@ -101,14 +111,16 @@ def test_default_build_from_cached_wheel(fake_wheel_cache: tuple[Path, dict[str,
     assert load_numpy(engine_dir / "model.safetensors")["model.norm.weight"].dtype == np.float16
     assert json.loads((engine_dir / "config.json").read_text())["torch_dtype"] == "float16"
     before = snapshot(engine_dir)
-    run_build(parse("--cache-dir", str(cache), "--out", str(tmp_path / "engines"), "--dtype", "float16",
-                    "--force"))
+    run_build(
+        parse("--cache-dir", str(cache), "--out", str(tmp_path / "engines"), "--dtype", "float16", "--force")
+    )
     assert snapshot(engine_dir)["model.safetensors"] != before["model.safetensors"]
     assert [p.name for p in engine_dir.parent.iterdir()] == [NAME]
 
 
-def test_corrupt_or_missing_pieces_trigger_rebuild(fake_wheel_cache: tuple[Path, dict[str, np.ndarray]],
-                                                   tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_corrupt_or_missing_pieces_trigger_rebuild(
+    fake_wheel_cache: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cache, _ = fake_wheel_cache
     args = parse("--cache-dir", str(cache), "--out", str(tmp_path), "--name", "tiny")
     engine_dir = run_build(args)
@@ -122,8 +134,29 @@ def test_corrupt_or_missing_pieces_trigger_rebuild(fake_wheel_cache: tuple[Path,
     assert (engine_dir / "tokenizer.json").is_file()
 
 
-def test_interrupted_build_leaves_no_directory(fake_wheel_cache: tuple[Path, dict[str, np.ndarray]],
-                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bfloat16_from_gguf(fake_wheel_cache: tuple[Path, dict[str, np.ndarray]], tmp_path: Path) -> None:
+    import warnings
+
+    import torch
+    from safetensors.torch import load_file
+
+    cache, weights = fake_wheel_cache
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. torch's "non-writable NumPy array" warning
+        engine_dir = run_build(
+            parse("--cache-dir", str(cache), "--out", str(tmp_path), "--dtype", "bfloat16")
+        )
+    stored = load_file(engine_dir / "model.safetensors")
+    assert all(t.dtype == torch.bfloat16 for t in stored.values())
+    torch.testing.assert_close(
+        stored["model.norm.weight"], torch.from_numpy(weights["model.norm.weight"]).to(torch.bfloat16)
+    )
+    assert load_manifest(engine_dir).dtype == "bfloat16"
+
+
+def test_interrupted_build_leaves_no_directory(
+    fake_wheel_cache: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cache, _ = fake_wheel_cache
 
     def boom(*args: object, **kwargs: object) -> None:
@@ -212,7 +245,9 @@ def test_cache_dir_env_and_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     monkeypatch.delenv("TRTSERVER_CACHE_DIR", raising=False)
     assert default_cache_dir() == REPO_ROOT / ".cache" / "wheels"
     monkeypatch.setenv("TRTSERVER_CACHE_DIR", str(tmp_path))
-    req = request_from_args(parse("--no-trtllm", "--trtllm-max-batch-size", "8", "--trtllm-gather-context-logits"))
+    req = request_from_args(
+        parse("--no-trtllm", "--trtllm-max-batch-size", "8", "--trtllm-gather-context-logits")
+    )
     assert req.cache_dir == tmp_path and req.out == DEFAULT_OUT == REPO_ROOT / "engines"
     assert req.trtllm.enabled is False and req.trtllm.max_batch_size == 8 and req.trtllm.gather_context_logits
     assert build_module.CONVERTER_VERSION >= 1

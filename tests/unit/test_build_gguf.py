@@ -44,8 +44,8 @@ def _rope_hf(x: np.ndarray, pos: int, base: float) -> np.ndarray:
     d = x.shape[-1]
     freqs = base ** (-np.arange(0, d, 2) / d) * pos
     cos, sin = np.cos(np.concatenate([freqs, freqs])), np.sin(np.concatenate([freqs, freqs]))
-    rotated = np.concatenate([-x[d // 2:], x[: d // 2]])
-    return x * cos + rotated * sin
+    rotated = np.concatenate([-x[d // 2 :], x[: d // 2]])
+    return np.asarray(x * cos + rotated * sin)
 
 
 def _rope_ggml(x: np.ndarray, pos: int, base: float) -> np.ndarray:

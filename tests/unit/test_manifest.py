@@ -95,7 +95,13 @@ def test_manifest_module_is_import_light() -> None:
     import trtserver.manifest as module
 
     tree = ast.parse(Path(module.__file__).read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
-    imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    imported |= {
+        (node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+    }
     assert not imported & {"torch", "aiohttp", "tensorrt_llm", "numpy"}
