@@ -13,6 +13,8 @@ from build_engines.trtllm_build import TrtllmBuildOptions
 from build_engines.writer import DTYPES
 
 DEFAULT_OUT = REPO_ROOT / "engines"
+BUILD_ERRORS: tuple[type[Exception], ...] = (AcquireError, ValueError, OSError)
+"""What a failed build raises for a user-facing reason (bad --model dir, download failure...): print, exit 1."""
 _TRTLLM_DEFAULTS = TrtllmBuildOptions()
 
 
@@ -81,10 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         run_build(args)
-    except (AcquireError, ValueError, OSError) as exc:
+    except BUILD_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
-__all__ = ["add_build_arguments", "main", "run_build"]
+__all__ = ["BUILD_ERRORS", "add_build_arguments", "main", "run_build"]
