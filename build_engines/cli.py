@@ -14,7 +14,7 @@ from build_engines.writer import DTYPES
 
 DEFAULT_OUT = REPO_ROOT / "engines"
 BUILD_ERRORS: tuple[type[Exception], ...] = (AcquireError, ValueError, OSError)
-"""What a failed build raises for a user-facing reason (bad --model dir, download failure...): print, exit 1."""
+"""Raised for user-facing reasons (bad --model dir, download failure): print them and exit 1."""
 _TRTLLM_DEFAULTS = TrtllmBuildOptions()
 
 
