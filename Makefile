@@ -1,0 +1,42 @@
+# The README's two commands: `make serve` and `make test`. Everything else is what they build on.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+MODEL ?=
+NAME ?=
+ENGINE_DIR ?= engines/SmolLM2-135M-Instruct
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PLUGINS := $(wildcard plugins/*/pyproject.toml)
+PYTEST_ARGS ?=
+
+.PHONY: install engines serve test test-unit lint bench gpu-check clean
+
+install: $(VENV)/.installed
+
+# Re-runs only when a pyproject changes. torch first: a plain torch requirement would pull CUDA.
+$(VENV)/.installed: pyproject.toml $(PLUGINS)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q -e ".[dev]" $(foreach p,$(PLUGINS),-e "$(dir $(p))[test]")
+	@touch $@
+
+engines: install
+	$(VENV)/bin/trtserver build $(if $(MODEL),--model "$(MODEL)") $(if $(NAME),--name "$(NAME)")
+
+serve: engines
+	$(VENV)/bin/trtserver serve $(ENGINE_DIR) --host $(HOST) --port $(PORT)
+
+test: engines
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-unit: install
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check trtserver build_engines plugins tests bench
+	$(VENV)/bin/mypy trtserver build_engines
+
+clean:
+	rm -rf $(VENV) engines .cache

@@ -1,0 +1,82 @@
+"""One real server for the HTTP tests: a subprocess on a free loopback port, or an already running
+one named by ``TRTSERVER_TEST_BASE_URL`` (how ``make gpu-check`` points these tests at a GPU)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_healthy(base: str, process: subprocess.Popen[bytes] | None, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("server did not become healthy")
+
+
+def start_server(engine_dir: Path, *args: str, log_name: str = "server") -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"trtserver-test-{log_name}-{port}.log", "wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trtserver.cli", "serve", str(engine_dir), "--port", str(port),
+         "--engine", os.environ.get("TRTSERVER_TEST_ENGINE", "torch"), *args],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, process)
+    except Exception:
+        process.kill()
+        raise
+    return process, base
+
+
+@pytest.fixture(scope="session")
+def base_url(engine_dir: Path) -> Iterator[str]:
+    external = os.environ.get("TRTSERVER_TEST_BASE_URL")
+    if external:
+        wait_healthy(external, None)
+        yield external
+        return
+    process, base = start_server(engine_dir, "--max-logprobs", "20")
+    yield base
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+@pytest.fixture(scope="session")
+def client(base_url: str) -> OpenAI:
+    return OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def http(base_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url, timeout=120) as session:
+        yield session

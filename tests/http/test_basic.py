@@ -1,0 +1,78 @@
+"""The first working slice, as a client sees it: the official openai SDK against the real model."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+from openai import OpenAI
+
+from tests.http.conftest import MODEL
+
+PROMPT = "The capital of France is"
+
+
+def test_models_lists_the_served_model(client: OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_health(http: httpx.Client) -> None:
+    response = http.get("/health")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+
+
+def test_greedy_completion_is_real(client: OpenAI) -> None:
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    choice = completion.choices[0]
+    assert "Paris" in choice.text
+    assert choice.finish_reason == "length"
+    assert completion.usage is not None
+    assert completion.usage.prompt_tokens == 5
+    assert completion.usage.completion_tokens == 16
+    assert completion.usage.total_tokens == 21
+    assert completion.object == "text_completion"
+    assert completion.id.startswith("cmpl-")
+
+
+def test_streaming_arrives_token_by_token_and_matches(client: OpenAI) -> None:
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert len(texts) >= 8  # one chunk per token (a few may merge for multi-byte characters)
+    assert "".join(texts) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_stream_ends_with_done(http: httpx.Client) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+
+
+def test_concurrent_requests_all_answer(client: OpenAI) -> None:
+    prompts = [f"Count to {i}:" for i in range(3, 9)]
+
+    def one(prompt: str) -> str:
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+
+    alone = [one(p) for p in prompts[:2]]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(one, prompts))
+    assert all(together)
+    assert together[:2] == alone  # batching does not change greedy output
+
+
+def test_seed_repeats(client: OpenAI) -> None:
+    def sample(seed: int) -> str:
+        return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0,
+                                         seed=seed).choices[0].text
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1

@@ -1,0 +1,142 @@
+"""One choice's state while its sequence streams: text, stop, logprobs, token counts.
+
+Echo and logprob formatting are written once here, for the streamed and the collected response
+alike (the collected response is the stream, joined).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trtserver.engine.base import SequenceOutput
+from trtserver.protocol import CompletionLogprobs, PromptLogprob
+from trtserver.text import TextStream
+from trtserver.tokenizer import Tokenizer
+
+MIN_LOGPROB = -9999.0
+
+
+def clamp(value: float) -> float:
+    return value if value > MIN_LOGPROB else MIN_LOGPROB
+
+
+@dataclass(slots=True)
+class LogprobFormat:
+    """How a request wants logprobs shown."""
+
+    top: int | None  # the request's ``logprobs`` k, None for none
+    as_token_ids: bool = False
+
+
+class TokenNamer:
+    """Token id -> the string shown in ``logprobs.tokens`` and ``top_logprobs`` keys (cached)."""
+
+    def __init__(self, tokenizer: Tokenizer, as_token_ids: bool) -> None:
+        self._tokenizer = tokenizer
+        self._as_ids = as_token_ids
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        name = self._cache.get(token_id)
+        if name is None:
+            if self._as_ids:
+                name = f"token_id:{token_id}"
+            else:
+                name = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            self._cache[token_id] = name
+        return name
+
+
+def legacy_logprobs(namer: TokenNamer, token_ids: list[int], token_logprobs: list[float | None],
+                    tops: list[list[tuple[int, float]] | None] | None, k: int, offset: int
+                    ) -> tuple[CompletionLogprobs, int]:
+    """Build the legacy object for a run of tokens; returns it and the next text offset."""
+    out = CompletionLogprobs()
+    for i, token_id in enumerate(token_ids):
+        name = namer(token_id)
+        lp = token_logprobs[i]
+        out.tokens.append(name)
+        out.token_logprobs.append(None if lp is None else clamp(lp))
+        out.text_offset.append(offset)
+        offset += len(name)
+        top = tops[i] if tops is not None else None
+        if lp is None:
+            out.top_logprobs.append(None)
+            continue
+        entries: dict[str, float] = {}
+        for alt_id, alt_lp in (top or [])[:k]:
+            entries.setdefault(namer(alt_id), clamp(alt_lp))
+        entries.setdefault(name, clamp(lp))
+        out.top_logprobs.append(entries)
+    return out, offset
+
+
+def vllm_prompt_logprobs(namer: TokenNamer, prompt_ids: list[int], token_lps: list[float | None],
+                         tops: list[list[tuple[int, float]] | None]) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs``: per position, {token_id: {logprob, rank, decoded_token}}."""
+    result: list[dict[str, PromptLogprob] | None] = []
+    for i, token_id in enumerate(prompt_ids):
+        lp = token_lps[i] if i < len(token_lps) else None
+        if lp is None:
+            result.append(None)
+            continue
+        top = tops[i] or [] if i < len(tops) else []
+        ranks = {alt: rank + 1 for rank, (alt, _) in enumerate(top)}
+        entry = {str(token_id): PromptLogprob(clamp(lp), ranks.get(token_id), namer(token_id))}
+        for alt_id, alt_lp in top:
+            entry.setdefault(str(alt_id), PromptLogprob(clamp(alt_lp), ranks[alt_id], namer(alt_id)))
+        result.append(entry)
+    return result
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """Per-choice accumulation; ``advance`` turns one engine delta into what to send."""
+
+    prompt_index: int
+    seq_index: int
+    text: TextStream
+    prompt_tokens: int
+    echo_text: str = ""
+    eos_token_ids: tuple[int, ...] = ()
+    completion_tokens: int = 0
+    logprob_sum: float = 0.0
+    offset: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    started: bool = False
+    token_ids: list[int] = field(default_factory=list)
+
+    beam_score: float | None = None
+
+    def score(self) -> float:
+        """How best_of and beam search rank choices: beam score, else mean token logprob."""
+        if self.beam_score is not None:
+            return self.beam_score
+        return self.logprob_sum / self.completion_tokens if self.completion_tokens else float("-inf")
+
+    def visible_tokens(self, delta: SequenceOutput) -> list[int]:
+        """The delta's tokens that become text: a final EOS is never shown."""
+        ids = delta.token_ids
+        if (delta.finish_reason == "stop" and delta.stop_token_id is None and ids
+                and ids[-1] in self.eos_token_ids):
+            return ids[:-1]
+        return ids
+
+    def advance(self, delta: SequenceOutput) -> str:
+        """Apply a delta; returns the text that may be sent now. Sets ``finished`` when done."""
+        self.completion_tokens += len(delta.token_ids)
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs:
+            self.logprob_sum += sum(delta.logprobs)
+        stop = self.text.add(self.visible_tokens(delta))
+        if stop is not None:
+            self.finished = True
+            self.finish_reason = "stop"
+            self.stop_reason = stop.reason
+        elif delta.finish_reason is not None:
+            self.finished = True
+            self.finish_reason = "stop" if delta.finish_reason == "stop" else delta.finish_reason
+            self.stop_reason = delta.stop_token_id
+        return self.text.take(final=self.finished)

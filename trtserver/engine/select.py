@@ -1,0 +1,55 @@
+"""Which engine serves: ``--engine NAME`` or ``auto`` (TensorRT-LLM when it can run, else PyTorch)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import structlog
+
+from trtserver.errors import APIError
+
+if TYPE_CHECKING:
+    import pluggy
+
+    from trtserver.config import ServerConfig
+    from trtserver.engine.base import Engine
+
+log = structlog.get_logger("trtserver.engine")
+
+
+class EngineSelectionError(APIError):
+    pass
+
+
+def registered_engines(pm: pluggy.PluginManager) -> dict[str, Callable[[ServerConfig], Engine]]:
+    engines: dict[str, Callable[[ServerConfig], Engine]] = {}
+
+    def register(name: str, factory: Callable[[ServerConfig], Engine]) -> None:
+        if name in engines:
+            raise EngineSelectionError(f"engine {name!r} is registered twice")
+        engines[name] = factory
+
+    pm.hook.trtserver_register_engines(register=register)
+    return engines
+
+
+def choose_engine_name(config: ServerConfig) -> str:
+    if config.engine != "auto":
+        return config.engine
+    from trtserver.engine.trtllm import trtllm_unavailable_reason
+
+    reason = trtllm_unavailable_reason(config)
+    if reason is None:
+        return "trtllm"
+    log.info("engine_auto_selected", engine="torch", why_not_trtllm=reason)
+    return "torch"
+
+
+def build_engine(config: ServerConfig, pm: pluggy.PluginManager) -> Engine:
+    engines = registered_engines(pm)
+    name = choose_engine_name(config)
+    factory = engines.get(name)
+    if factory is None:
+        raise EngineSelectionError(f"unknown engine {name!r}; registered engines: {', '.join(sorted(engines))}")
+    return factory(config)

@@ -1,0 +1,306 @@
+"""The aiohttp application: routes, SSE, the one error mapping, engine lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import pluggy
+import structlog
+from aiohttp import web
+
+from trtserver import errors
+from trtserver.config import ServerConfig
+from trtserver.engine.base import Engine
+from trtserver.engine.select import build_engine
+from trtserver.plugins import allowlist_from_env, await_me_maybe, load_plugins, new_plugin_manager
+from trtserver.protocol import (
+    REQUEST_FIELDS,
+    CompletionRequest,
+    FieldError,
+    ModelCard,
+    ModelList,
+    encoder,
+    request_decoder,
+)
+from trtserver.request_context import RequestContext
+from trtserver.serving import CompletionService, Prepared, new_request_id
+
+log = structlog.get_logger("trtserver.server")
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What the running app holds; one per app, under ``STATE``."""
+
+    config: ServerConfig
+    pm: pluggy.PluginManager
+    engine: Engine | None = None
+    service: CompletionService | None = None
+    ready: bool = False
+    load_error: str | None = None
+    draining: bool = False
+    started_at: float = field(default_factory=time.time)
+    in_flight: int = 0
+    engine_task: asyncio.Task[None] | None = None
+
+
+STATE = web.AppKey("trtserver_state", ServerState)
+
+
+def json_response(payload: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=encoder.encode(payload), status=status, content_type="application/json",
+                        headers=headers)
+
+
+def error_response(exc: errors.APIError) -> web.Response:
+    return json_response(exc.envelope(), status=exc.status, headers=exc.headers or None)
+
+
+@web.middleware
+async def error_middleware(request: web.Request,
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    request_id = request.headers.get("X-Request-Id") or new_request_id()
+    request["request_id"] = request_id
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    try:
+        return await handler(request)
+    except errors.APIError as exc:
+        log.info("request_failed", status=exc.status, error=exc.message, param=exc.param)
+        return error_response(exc)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(errors.PayloadTooLarge(f"Request body is larger than {exc.max_size} bytes"))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = errors.NotFound if exc.status == 404 else errors.APIError
+        wrapped = kind(exc.reason or "error", code=None)
+        wrapped.status = exc.status
+        wrapped.type = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        return error_response(wrapped)
+    except asyncio.CancelledError:
+        log.info("client_disconnected")
+        raise
+    except Exception:
+        log.exception("internal_error")
+        return error_response(errors.EngineError("The server had an error while processing your request."))
+    finally:
+        structlog.contextvars.unbind_contextvars("request_id")
+
+
+def _state(request: web.Request) -> ServerState:
+    return request.app[STATE]
+
+
+def _service(request: web.Request) -> CompletionService:
+    state = _state(request)
+    if state.draining:
+        raise errors.Overloaded("The server is shutting down", headers={"Retry-After": "1"})
+    if not state.ready or state.service is None:
+        raise errors.Overloaded("The model is still loading", code="model_loading", headers={"Retry-After": "2"})
+    return state.service
+
+
+async def decode_request(request: web.Request) -> tuple[CompletionRequest, dict[str, object]]:
+    """Body -> CompletionRequest; unknown fields are returned (and logged), ``extra_body`` merged."""
+    content_type = request.headers.get("Content-Type", "application/json")
+    if not (content_type.startswith("application/json") or "+json" in content_type):
+        raise errors.UnsupportedMediaType(f"Unsupported Media Type: expected application/json, got {content_type}")
+    body = await request.read()
+    try:
+        fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except msgspec.ValidationError as exc:
+        raise errors.InvalidRequest("Request body must be a JSON object", param=None) from exc
+    except msgspec.DecodeError as exc:
+        raise errors.from_validation_error(exc) from exc
+    if "extra_body" in fields:
+        try:
+            extra = msgspec.json.decode(fields["extra_body"], type=dict[str, msgspec.Raw] | None)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise errors.InvalidRequest("extra_body must be an object", param="extra_body") from exc
+        for key, value in (extra or {}).items():
+            fields.setdefault(key, value)
+        body = msgspec.json.encode(fields)
+    unknown = {key: msgspec.json.decode(value) for key, value in fields.items() if key not in REQUEST_FIELDS}
+    if unknown:
+        log.info("unknown_fields_ignored", fields=sorted(unknown))
+    try:
+        parsed = request_decoder.decode(body)
+        parsed.check()
+    except FieldError as exc:
+        raise errors.InvalidRequest(str(exc), param=exc.param) from exc
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise errors.from_validation_error(exc) from exc
+    return parsed, unknown
+
+
+def _context(request: web.Request, body: CompletionRequest, unknown: dict[str, object],
+             config: ServerConfig) -> RequestContext:
+    auth = request.headers.get("Authorization", "")
+    api_key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+    return RequestContext(request_id=request["request_id"], config=config, headers=request.headers,
+                          query=request.query, api_key=api_key, user=body.user, extra=unknown)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    service = _service(request)
+    state = _state(request)
+    body, unknown = await decode_request(request)
+    context = _context(request, body, unknown, state.config)
+    structlog.contextvars.bind_contextvars(user=body.user)
+    prepared = await service.prepare(body, context)
+    state.in_flight += 1
+    try:
+        if body.stream:
+            return await _stream(request, service, prepared)
+        response = await service.complete(prepared)
+        await _response_ready(service, prepared, response)
+        return json_response(response)
+    finally:
+        state.in_flight -= 1
+
+
+async def _stream(request: web.Request, service: CompletionService, prepared: Prepared) -> web.StreamResponse:
+    chunks = service.stream(prepared)
+    collected = _Collector(prepared)
+    # the first chunk is produced before the headers go out, so early errors are plain 4xx/5xx
+    try:
+        first = await anext(chunks)
+    except StopAsyncIteration:
+        first = None
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+    try:
+        if first is not None:
+            collected.add(first)
+            await response.write(b"data: " + encoder.encode(first) + b"\n\n")
+        async for chunk in chunks:
+            collected.add(chunk)
+            await response.write(b"data: " + encoder.encode(chunk) + b"\n\n")
+    except errors.APIError as exc:
+        await response.write(b"data: " + encoder.encode(exc.envelope()) + b"\n\n")
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception:
+        log.exception("stream_failed")
+        failure = errors.EngineError("The server had an error while streaming the response.")
+        await response.write(b"data: " + encoder.encode(failure.envelope()) + b"\n\n")
+    else:
+        await _response_ready(service, prepared, collected.response(service))
+    finally:
+        await chunks.aclose()
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+class _Collector:
+    """The streamed chunks joined, for ``trtserver_response_ready``."""
+
+    def __init__(self, prepared: Prepared) -> None:
+        self.prepared = prepared
+        self.chunks: list[object] = []
+        self.text: dict[int, list[str]] = {}
+        self.finish: dict[int, tuple[str | None, int | str | None]] = {}
+        self.usage = None
+
+    def add(self, chunk: object) -> None:
+        for choice in chunk.choices:  # type: ignore[attr-defined]
+            self.text.setdefault(choice.index, []).append(choice.text)
+            if choice.finish_reason is not None:
+                self.finish[choice.index] = (choice.finish_reason, choice.stop_reason)
+        if chunk.usage is not None:  # type: ignore[attr-defined]
+            self.usage = chunk.usage  # type: ignore[attr-defined]
+
+    def response(self, service: CompletionService) -> object:
+        from trtserver.protocol import CompletionChoice, CompletionResponse
+
+        choices = [CompletionChoice(text="".join(parts), index=i, logprobs=None,
+                                    finish_reason=self.finish.get(i, (None, None))[0],  # type: ignore[arg-type]
+                                    stop_reason=self.finish.get(i, (None, None))[1])
+                   for i, parts in sorted(self.text.items())]
+        return CompletionResponse(id=self.prepared.response_id, created=self.prepared.created,
+                                  model=service.model_name, choices=choices, usage=self.usage,
+                                  system_fingerprint=service.system_fingerprint,
+                                  service_tier=self.prepared.context.service_tier)
+
+
+async def _response_ready(service: CompletionService, prepared: Prepared, response: object) -> None:
+    try:
+        for result in service.pm.hook.trtserver_response_ready(request=prepared.request, response=response,
+                                                               context=prepared.context):
+            await await_me_maybe(result)
+    except Exception:
+        log.exception("response_ready_hook_failed")
+
+
+async def models(request: web.Request) -> web.Response:
+    state = _state(request)
+    service = _service(request)
+    card = ModelCard(id=service.model_name, created=int(state.started_at), root=state.config.engine_dir,
+                     max_model_len=service.info.context_length)
+    return json_response(ModelList(data=[card]))
+
+
+async def health(request: web.Request) -> web.Response:
+    state = _state(request)
+    if state.load_error is not None:
+        return json_response({"status": "error", "error": state.load_error}, status=503)
+    if state.draining:
+        return json_response({"status": "draining"}, status=503)
+    if not state.ready:
+        return json_response({"status": "loading"}, status=503)
+    return json_response({"status": "ok"})
+
+
+async def _load_engine(app: web.Application) -> None:
+    state = app[STATE]
+    try:
+        engine = build_engine(state.config, state.pm)
+        await engine.start()
+        state.engine = engine
+        info = engine.info
+        fingerprint = state.pm.hook.trtserver_system_fingerprint(engine_info=info)
+        model_name = state.config.served_model_name or info.model_name
+        state.service = CompletionService(engine, state.pm, state.config, model_name=model_name,
+                                          system_fingerprint=fingerprint)
+        state.ready = True
+        log.info("engine_ready", engine=info.backend, model=model_name, context_length=info.context_length)
+    except Exception as exc:
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        log.exception("engine_failed_to_load")
+        raise
+
+
+async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.create_task(_load_engine(app))
+    app[STATE].engine_task = task
+    yield
+    state = app[STATE]
+    state.draining = True
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    if state.engine is not None:
+        await state.engine.shutdown()
+
+
+def create_app(config: ServerConfig, pm: pluggy.PluginManager | None = None) -> web.Application:
+    if pm is None:
+        pm = new_plugin_manager()
+        allowlist = config.plugin_allowlist if config.plugin_allowlist is not None else allowlist_from_env()
+        load_plugins(pm, extra=config.plugins, allowlist=allowlist)
+    app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
+    app[STATE] = ServerState(config=config, pm=pm)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.cleanup_ctx.append(_engine_lifecycle)
+    pm.hook.trtserver_app_created(app=app, config=config)
+    return app

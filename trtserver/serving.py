@@ -1,0 +1,358 @@
+"""CompletionService: a request in, a stream of chunks out (or those chunks collected).
+
+There is one path: ``stream()`` yields ``CompletionResponse`` chunks; ``complete()`` collects
+them into the non-streaming response (and ranks ``best_of`` there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+
+import pluggy
+import structlog
+
+from trtserver import params
+from trtserver.choices import ChoiceState, TokenNamer, legacy_logprobs, vllm_prompt_logprobs
+from trtserver.config import ServerConfig
+from trtserver.engine.base import Engine, GenerationRequest, GuidedDecoder, SequenceOutput
+from trtserver.errors import InvalidRequest, Unsupported
+from trtserver.guided import GuideContext, guide_spec_from_request
+from trtserver.plugins import await_me_maybe
+from trtserver.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
+from trtserver.request_context import RequestContext
+from trtserver.text import IncrementalDecoder, StopChecker, StopStrings, TextStream
+
+log = structlog.get_logger("trtserver.serving")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptScores:
+    token_logprobs: list[float | None]  # first is None
+    top: list[list[tuple[int, float]] | None]
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request ready to run: engine requests plus what is needed to shape the output."""
+
+    request: CompletionRequest
+    context: RequestContext
+    response_id: str
+    created: int
+    prompts: list[params.PromptInput]
+    engine_requests: list[GenerationRequest]
+    stop_factories: list[Callable[[], StopChecker]] = field(default_factory=list)
+
+
+class CompletionService:
+    def __init__(self, engine: Engine, pm: pluggy.PluginManager, config: ServerConfig, *,
+                 model_name: str, system_fingerprint: str | None) -> None:
+        self.engine = engine
+        self.pm = pm
+        self.config = config
+        self.model_name = model_name
+        self.system_fingerprint = system_fingerprint
+        self.tokenizer = engine.tokenizer
+        self.info = engine.info
+
+    # --- preparing -------------------------------------------------------------------------
+
+    async def prepare(self, request: CompletionRequest, context: RequestContext) -> Prepared:
+        params.check_model(request, self.model_name)
+        params.check_limits(request, self.config, self.info)
+        for result in self.pm.hook.trtserver_request_received(request=request, context=context):
+            await await_me_maybe(result)
+        prompts = params.tokenize_prompts(request, self.tokenizer, self.info)
+        max_tokens = params.resolve_max_tokens(request, prompts, self.config, self.info)
+        width = request.best_of or request.n
+        sampling = params.sampling_params(request, max_tokens, self.info,
+                                          rank_by_logprob=width > request.n and not request.use_beam_search)
+        guided = await self._guided_decoder(request)
+        processors = [f for fs in self.pm.hook.trtserver_logits_processors(request=request, context=context)
+                      if fs for f in fs]
+        if processors and not self.info.capabilities.logits_processors:
+            raise Unsupported(f"this engine ({self.info.backend}) cannot run logits processors",
+                              param="logits_processors")
+        stops: list[Callable[[], StopChecker]] = [
+            f for fs in self.pm.hook.trtserver_stop_checkers(request=request, context=context) if fs for f in fs]
+        stop_strings = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+        if stop_strings:
+            stops.insert(0, lambda: StopStrings(stop_strings))
+        response_id = f"cmpl-{request.request_id or context.request_id}"
+        priority = params.engine_priority(request, context.priority if context.service_tier else None)
+        engine_requests = [
+            GenerationRequest(
+                request_id=f"{context.request_id}-{i}",
+                prompt_token_ids=prompt.token_ids,
+                sampling=sampling,
+                n=width,
+                priority=priority,
+                adapter=request.peft,
+                guided=guided,
+                logits_processors=processors,
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        check = getattr(self.engine, "check", None)
+        if check is not None:
+            for engine_request in engine_requests:
+                check(engine_request)
+        return Prepared(request, context, response_id, int(time.time()), prompts, engine_requests, stops)
+
+    async def _guided_decoder(self, request: CompletionRequest) -> GuidedDecoder | None:
+        found = guide_spec_from_request(request)
+        if found is None:
+            return None
+        spec, backend = found
+        if not self.info.capabilities.guided_decoding:
+            raise Unsupported(f"this engine ({self.info.backend}) does not support guided decoding",
+                              param="guided_decoding_backend")
+        context = GuideContext(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids,
+                               self.config.guided_compile_timeout_s)
+        decoder = await asyncio.to_thread(self.pm.hook.trtserver_guided_decoder, spec=spec, backend=backend,
+                                          context=context)
+        if decoder is None:
+            raise InvalidRequest(f"guided decoding backend {backend!r} is not available on this server "
+                                 "(install the trtserver-guided plugin with that backend's extra)",
+                                 param="guided_decoding_backend")
+        return decoder  # type: ignore[no-any-return]
+
+    # --- running ---------------------------------------------------------------------------
+
+    def _new_choice(self, prepared: Prepared, prompt_index: int, seq_index: int) -> ChoiceState:
+        request = prepared.request
+        decoder = IncrementalDecoder(self.tokenizer, skip_special_tokens=request.skip_special_tokens,
+                                     spaces_between_special_tokens=request.spaces_between_special_tokens)
+        stream = TextStream(decoder, [factory() for factory in prepared.stop_factories],
+                            include_stop_str_in_output=request.include_stop_str_in_output)
+        prompt = prepared.prompts[prompt_index]
+        echo = ""
+        if request.echo:
+            echo = prompt.text if prompt.text is not None else self.tokenizer.decode(
+                prompt.token_ids, skip_special_tokens=request.skip_special_tokens)
+        return ChoiceState(prompt_index, seq_index, stream, len(prompt.token_ids), echo_text=echo,
+                           eos_token_ids=() if request.ignore_eos else self.info.eos_token_ids)
+
+    def _choices(self, prepared: Prepared) -> dict[tuple[int, int], ChoiceState]:
+        width = prepared.request.best_of or prepared.request.n
+        return {(p, s): self._new_choice(prepared, p, s)
+                for p in range(len(prepared.prompts)) for s in range(width)}
+
+    async def stream(self, prepared: Prepared) -> AsyncIterator[CompletionResponse]:
+        """What a streaming client gets: chunks, then a usage chunk when asked."""
+        request = prepared.request
+        choices = self._choices(prepared)
+        async for chunk in self._chunks(prepared, choices):
+            yield chunk
+        if request.stream_options is not None and request.stream_options.include_usage:
+            yield self._chunk(prepared, [], self.usage(prepared, choices.values()))
+
+    async def _chunks(self, prepared: Prepared, choices: dict[tuple[int, int], ChoiceState]
+                      ) -> AsyncIterator[CompletionResponse]:
+        """Chunks, one choice each; closing this early aborts the engine requests."""
+        request = prepared.request
+        namer = TokenNamer(self.tokenizer, request.return_tokens_as_token_ids)
+        options = request.stream_options
+        continuous = options is not None and options.include_usage and options.continuous_usage_stats
+        # best_of > n and beam search are collected and ranked: keep every sequence apart until then
+        stride = request.n if request.stream else (request.best_of or request.n)
+        remaining = len(choices)
+        # the engine sends a prompt's logprobs once (with its first sequence); every choice echoes them
+        prompt_scores: dict[int, PromptScores] = {}
+        async for prompt_index, delta in self._engine_outputs(prepared):
+            if delta.prompt_token_logprobs is not None:
+                prompt_scores[prompt_index] = PromptScores(
+                    delta.prompt_token_logprobs,
+                    delta.prompt_logprobs or [None] * len(delta.prompt_token_logprobs))
+            choice = choices.get((prompt_index, delta.index))
+            if choice is None or choice.finished:
+                continue
+            piece = self._chunk_choice(prepared, choice, delta, namer, stride, prompt_scores.get(prompt_index))
+            if choice.finished:
+                remaining -= 1
+                if delta.finish_reason is None:  # we stopped it (stop string): free it in the engine now
+                    self.engine.abort(prepared.engine_requests[prompt_index].request_id, delta.index)
+            if piece is not None:
+                usage = None
+                if continuous:
+                    usage = Usage(choice.prompt_tokens, choice.completion_tokens,
+                                  choice.prompt_tokens + choice.completion_tokens)
+                yield self._chunk(prepared, [piece], usage)
+            if remaining == 0:
+                break
+
+    async def _engine_outputs(self, prepared: Prepared) -> AsyncIterator[tuple[int, SequenceOutput]]:
+        """Every prompt's engine stream, interleaved as deltas arrive."""
+        request = prepared.request
+        if request.max_tokens == 0 and all(r.sampling.prompt_logprobs is None for r in prepared.engine_requests):
+            for i, prompt in enumerate(prepared.prompts):
+                for s in range(prepared.engine_requests[i].n):
+                    yield i, SequenceOutput(request_id="", index=s, token_ids=[], finish_reason="length",
+                                            num_prompt_tokens=len(prompt.token_ids))
+            return
+        if len(prepared.engine_requests) == 1:
+            generator = self.engine.generate(prepared.engine_requests[0])
+            try:
+                async for delta in generator:
+                    yield 0, delta
+            finally:
+                await generator.aclose()  # type: ignore[attr-defined]
+            return
+        queue: asyncio.Queue[tuple[int, SequenceOutput] | BaseException | None] = asyncio.Queue()
+
+        async def pump(index: int, engine_request: GenerationRequest) -> None:
+            try:
+                async for delta in self.engine.generate(engine_request):
+                    queue.put_nowait((index, delta))
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait(exc)
+                raise
+            finally:
+                queue.put_nowait(None)
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(prepared.engine_requests)]
+        try:
+            running = len(tasks)
+            while running:
+                item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _chunk_choice(self, prepared: Prepared, choice: ChoiceState, delta: SequenceOutput,
+                      namer: TokenNamer, stride: int, scores: PromptScores | None) -> CompletionChoice | None:
+        request = prepared.request
+        prompt = prepared.prompts[choice.prompt_index]
+        first = not choice.started
+        choice.started = True
+        text = choice.advance(delta)
+        if request.use_beam_search:
+            choice.beam_score = delta.cumulative_logprob
+        logprobs: CompletionLogprobs | None = None
+        prompt_lps = None
+        loglikelihood = None
+        if first and scores is not None:
+            if request.prompt_logprobs is not None:
+                prompt_lps = vllm_prompt_logprobs(namer, prompt.token_ids, scores.token_logprobs, scores.top)
+            if request.loglikelihood:
+                loglikelihood, _ = legacy_logprobs(namer, prompt.token_ids[1:], scores.token_logprobs[1:],
+                                                   scores.top[1:], request.logprobs or 0, 0)
+        if first and request.echo:
+            if request.logprobs is not None and scores is not None:
+                logprobs, choice.offset = legacy_logprobs(namer, prompt.token_ids, scores.token_logprobs,
+                                                          scores.top, request.logprobs, 0)
+            else:
+                choice.offset = len(choice.echo_text)
+            text = choice.echo_text + text
+        if request.logprobs is not None and delta.logprobs is not None and delta.token_ids:
+            generated, choice.offset = legacy_logprobs(namer, delta.token_ids, list(delta.logprobs),
+                                                       delta.top_logprobs, request.logprobs, choice.offset)
+            if logprobs is None:
+                logprobs = generated
+            else:
+                logprobs.tokens += generated.tokens
+                logprobs.token_logprobs += generated.token_logprobs
+                logprobs.top_logprobs += generated.top_logprobs
+                logprobs.text_offset += generated.text_offset
+        if not text and logprobs is None and not choice.finished and not first:
+            return None
+        out = CompletionChoice(
+            text=text,
+            index=choice.prompt_index * stride + choice.seq_index,
+            logprobs=logprobs,
+            finish_reason=choice.finish_reason if choice.finished else None,  # type: ignore[arg-type]
+            stop_reason=choice.stop_reason if choice.finished else None,
+        )
+        if prompt_lps is not None:
+            out.prompt_logprobs = prompt_lps
+        if loglikelihood is not None:
+            out.loglikelihood = loglikelihood
+        if request.return_token_ids:
+            if first:
+                out.prompt_token_ids = prompt.token_ids
+            out.token_ids = list(delta.token_ids)
+        return out
+
+    def _chunk(self, prepared: Prepared, choices: list[CompletionChoice], usage: Usage | None) -> CompletionResponse:
+        return CompletionResponse(id=prepared.response_id, created=prepared.created, model=self.model_name,
+                                  choices=choices, usage=usage, system_fingerprint=self.system_fingerprint,
+                                  service_tier=prepared.context.service_tier)
+
+    @staticmethod
+    def usage(prepared: Prepared, choices: Iterable[ChoiceState]) -> Usage:
+        prompt_tokens = sum(len(p.token_ids) for p in prepared.prompts)
+        completion = sum(c.completion_tokens for c in choices)
+        return Usage(prompt_tokens, completion, prompt_tokens + completion)
+
+    # --- collecting ------------------------------------------------------------------------
+
+    async def complete(self, prepared: Prepared) -> CompletionResponse:
+        """The non-streaming response: the same chunks, joined; best_of and beams ranked here."""
+        request = prepared.request
+        states = self._choices(prepared)
+        merged: dict[int, CompletionChoice] = {}
+        async for chunk in self._chunks(prepared, states):
+            for piece in chunk.choices:
+                current = merged.get(piece.index)
+                if current is None:
+                    merged[piece.index] = piece
+                else:
+                    _append(current, piece)
+        width = request.best_of or request.n
+        if width > request.n or request.use_beam_search:
+            merged = _keep_best(merged, states, request.n, width)
+        if request.logprobs is None:
+            for choice in merged.values():
+                choice.logprobs = None
+        return CompletionResponse(id=prepared.response_id, created=prepared.created, model=self.model_name,
+                                  choices=[merged[i] for i in sorted(merged)],
+                                  usage=self.usage(prepared, states.values()),
+                                  system_fingerprint=self.system_fingerprint,
+                                  service_tier=prepared.context.service_tier)
+
+
+def _append(into: CompletionChoice, piece: CompletionChoice) -> None:
+    into.text += piece.text
+    if piece.logprobs is not None:
+        if into.logprobs is None:
+            into.logprobs = piece.logprobs
+        else:
+            into.logprobs.tokens += piece.logprobs.tokens
+            into.logprobs.token_logprobs += piece.logprobs.token_logprobs
+            into.logprobs.top_logprobs += piece.logprobs.top_logprobs
+            into.logprobs.text_offset += piece.logprobs.text_offset
+    if isinstance(piece.token_ids, list):
+        into.token_ids = (into.token_ids if isinstance(into.token_ids, list) else []) + piece.token_ids
+    if piece.finish_reason is not None:
+        into.finish_reason = piece.finish_reason
+        into.stop_reason = piece.stop_reason
+
+
+def _keep_best(merged: dict[int, CompletionChoice], states: dict[tuple[int, int], ChoiceState],
+               n: int, width: int) -> dict[int, CompletionChoice]:
+    """Per prompt, the n choices with the best score, re-indexed ``prompt_idx * n + rank``."""
+    kept: dict[int, CompletionChoice] = {}
+    prompts = {p for p, _ in states}
+    for p in sorted(prompts):
+        ranked = sorted(range(width), key=lambda s: -states[(p, s)].score())
+        for rank, s in enumerate(ranked[:n]):
+            choice = merged.get(p * width + s)
+            if choice is not None:
+                choice.index = p * n + rank
+                kept[choice.index] = choice
+    return kept
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
