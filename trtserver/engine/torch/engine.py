@@ -81,7 +81,7 @@ class TorchEngine:
         from trtserver.engine.torch.runner import Runner
 
         self.runner = Runner(self.core)
-        self.runner.start(loop)
+        self.runner.start()
 
     def load(self) -> None:
         """Load the model and allocate the cache (blocking; ``start`` runs it in a thread)."""

@@ -4,6 +4,8 @@ The event loop never waits on the model: ``submit`` and ``abort`` put commands o
 queue and wake the worker. The worker runs ``EngineCore.step()`` while there is work and sleeps
 on an event when there is none; after each step it hands all of that step's deltas to the loop
 with ONE ``call_soon_threadsafe``, which pushes each into its request's ``asyncio.Queue``.
+Each request remembers the loop it was submitted from, so one engine can serve several loops
+(tests do); with one loop, as in the server, a step costs exactly one cross-thread call.
 """
 
 from __future__ import annotations
@@ -29,13 +31,12 @@ class Runner:
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._queues: dict[str, asyncio.Queue[SequenceOutput | BaseException]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loops: dict[str, asyncio.AbstractEventLoop] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
 
     # ---- event-loop side -------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def start(self) -> None:
         self._thread = threading.Thread(target=self._work, name="trtserver-torch-engine", daemon=True)
         self._thread.start()
 
@@ -44,8 +45,8 @@ class Runner:
         self._wake.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-        for q in self._queues.values():
-            q.put_nowait(EngineError("the engine shut down"))
+        for rid in list(self._queues):
+            self._post(self._loops[rid], self._dispatch, [], [(rid, EngineError("the engine shut down"))])
 
     async def generate(self, request: GenerationRequest, num_outputs: int) -> AsyncIterator[SequenceOutput]:
         rid = request.request_id
@@ -54,6 +55,7 @@ class Runner:
         if self._stopping or self._thread is None:
             raise EngineError("the engine is not running")
         q: asyncio.Queue[SequenceOutput | BaseException] = asyncio.Queue()
+        self._loops[rid] = asyncio.get_running_loop()
         self._queues[rid] = q
         self._send(("add", request, None))
         finished = False
@@ -69,6 +71,7 @@ class Runner:
             finished = True
         finally:
             self._queues.pop(rid, None)
+            self._loops.pop(rid, None)
             if not finished:
                 self.abort(rid)
 
@@ -107,7 +110,7 @@ class Runner:
             else:
                 outputs = core.drain()
             if outputs or errors:
-                self._post(self._dispatch, outputs, errors)
+                self._hand_over(outputs, errors)
             if not core.has_work and not self._stopping:
                 self._wake.wait()
                 self._wake.clear()
@@ -129,9 +132,21 @@ class Runner:
             else:
                 self.core.abort(a, b)  # type: ignore[arg-type]
 
-    def _post(self, fn: Callable[..., None], *args: object) -> None:
-        assert self._loop is not None
+    def _hand_over(self, outputs: list[SequenceOutput], errors: list[tuple[str, BaseException]]) -> None:
+        loops = self._loops
+        targets = {loops.get(o.request_id) for o in outputs} | {loops.get(rid) for rid, _ in errors}
+        targets.discard(None)  # requests whose consumer already left
+        if len(targets) == 1:  # the usual case: one loop, one call for the whole step
+            self._post(targets.pop(), self._dispatch, outputs, errors)  # type: ignore[arg-type]
+            return
+        for loop in targets:
+            mine = [o for o in outputs if loops.get(o.request_id) is loop]
+            failed = [(rid, exc) for rid, exc in errors if loops.get(rid) is loop]
+            self._post(loop, self._dispatch, mine, failed)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: object) -> None:
         try:
-            self._loop.call_soon_threadsafe(fn, *args)
+            loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass

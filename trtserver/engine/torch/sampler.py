@@ -134,6 +134,7 @@ class Sampler:
         if logprobs is not None:
             result.logprobs = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
             k = max(top_k)
+            result.top_logprobs = [[] for _ in rows]
             if k:
                 values, indices = logprobs.topk(k, dim=-1)
                 values, indices = values.tolist(), indices.tolist()

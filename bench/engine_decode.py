@@ -1,0 +1,58 @@
+"""Decode speed of the PyTorch engine, in process: tokens/s at batch 1 and 16.
+
+    .venv/bin/python bench/engine_decode.py [--dtype float32 bfloat16] [--batch 1 16] [--tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from pathlib import Path
+
+from trtserver.engine.base import GenerationRequest, SamplingParams
+from trtserver.engine.torch.engine import TorchEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def run(engine: TorchEngine, batch: int, tokens: int, temperature: float) -> tuple[float, float]:
+    prompt = engine.tokenizer.encode("Once upon a time, in a land far away,")
+
+    async def one(i: int) -> int:
+        params = SamplingParams(max_tokens=tokens, temperature=temperature, ignore_eos=True, seed=i)
+        n = 0
+        async for delta in engine.generate(GenerationRequest(f"bench-{batch}-{i}-{time.time()}", prompt, params)):
+            n += len(delta.token_ids)
+        return n
+
+    await one(0)  # warm-up
+    core = engine.core
+    t0, d0 = time.perf_counter(), core.num_decode_forwards
+    total = sum(await asyncio.gather(*(one(i) for i in range(batch))))
+    elapsed = time.perf_counter() - t0
+    steps = core.num_decode_forwards - d0
+    return total / elapsed, elapsed / max(steps, 1) * 1000
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine-dir", default=str(ROOT / "engines" / "SmolLM2-135M-Instruct"))
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    for dtype in args.dtype:
+        engine = TorchEngine.from_dir(args.engine_dir, dtype=dtype, max_batch_size=max(args.batch),
+                                      max_model_len=1024, threads=args.threads)
+        await engine.start()
+        for batch in args.batch:
+            tps, ms = await run(engine, batch, args.tokens, args.temperature)
+            print(f"{dtype:9s} batch {batch:3d}: {tps:7.1f} tokens/s  ({ms:.1f} ms/step)", flush=True)
+        await engine.shutdown()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
