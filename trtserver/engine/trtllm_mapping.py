@@ -250,7 +250,7 @@ RULES: tuple[Rule, ...] = (
     Rule("min_tokens", (N(), N(), N(), N("min_tokens (or min_length)"))),
     Rule("ignore_eos", (N(), N(), C("0.15+"), R("no ignore_eos")), _check_ignore_eos),
     Rule("stop_token_ids", (N("plus extra EOS ids"),) * 3
-         + (C("stop_token_ids where the wheel has it, else ours: we stop reading (the GPU runs on)"),)),
+         + (N("stop_token_ids where the wheel has it, else ours: we stop reading (the GPU runs on)"),)),
     Rule("logit_bias / allowed_token_ids", (N("embedding_bias ([vocab] fp32; allowed ids: -inf elsewhere)"),)
          * 3
          + (C("embedding_bias where the wheel has it, else refused"),), _check_bias),
@@ -275,7 +275,8 @@ RULES: tuple[Rule, ...] = (
     Rule("peft", (C("LoRARequest from adapters_dir; engine built with --lora_plugin"),
                   C("LoRARequest from adapters_dir"), C("0.13+; engine built with --lora_plugin"),
                   R("no LoRA in the LLM class")), _check_adapter),
-    Rule("guided_json / guided_regex / guided_choice / guided_grammar / structured_outputs / response_format",
+    Rule("guided_json / guided_regex / guided_choice / guided_grammar / guided_whitespace_pattern / "
+         "guided_decoding_backend / structured_outputs / response_format",
          (N("xgrammar GuidedDecodingParams when started with it and the request's backend is xgrammar; "
             "otherwise our guide through a per-request logits processor"),
           N("as for the TensorRT engine"),
