@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import re
+
 import msgspec
 
 
@@ -97,8 +99,9 @@ def param_from_validation_error(exc: msgspec.ValidationError) -> str | None:
     marker = " - at `$"
     if marker not in text:
         return None
-    path = text.rsplit(marker, 1)[1].rstrip("`")
-    path = path.lstrip(".")
+    path = text.rsplit(marker, 1)[1].rstrip("`").lstrip(".")
+    # `prompt[0]` -> `prompt`, `logit_bias[...]` -> `logit_bias`: name the field, not the element
+    path = re.sub(r"\[[^\]]*\]", "", path)
     return path or None
 
 

@@ -113,13 +113,12 @@ def resolve_max_tokens(request: CompletionRequest, prompts: list[PromptInput], c
     if config.max_prompt_tokens is not None and longest > config.max_prompt_tokens:
         raise InvalidRequest(f"prompt has {longest} tokens; this server accepts at most "
                              f"{config.max_prompt_tokens}", param="prompt")
+    if longest >= context:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {context} tokens. However, your prompt has "
+            f"{longest} tokens, which leaves no room for the completion.", param="prompt")
     if request.max_tokens is None:
-        max_tokens = min(config.default_max_tokens, max(context - longest, 0))
-        if longest >= context:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {context} tokens. However, your prompt has "
-                f"{longest} tokens.", param="prompt")
-        return max_tokens
+        return min(config.default_max_tokens, context - longest)
     if longest + request.max_tokens > context:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {context} tokens. However, you requested "

@@ -211,7 +211,7 @@ class PromptLogprob(msgspec.Struct):
     decoded_token: str | None = None
 
 
-class CompletionChoice(msgspec.Struct, omit_defaults=True):
+class CompletionChoice(msgspec.Struct):
     text: str
     index: int
     logprobs: CompletionLogprobs | None
@@ -229,7 +229,7 @@ class Usage(msgspec.Struct):
     total_tokens: int = 0
 
 
-class CompletionResponse(msgspec.Struct, omit_defaults=True):
+class CompletionResponse(msgspec.Struct):
     id: str
     created: int
     model: str
@@ -237,7 +237,7 @@ class CompletionResponse(msgspec.Struct, omit_defaults=True):
     usage: Usage | None
     system_fingerprint: str | None
     object: Literal["text_completion"] = "text_completion"
-    service_tier: str | None = None
+    service_tier: str | UnsetType = UNSET
 
 
 class ModelCard(msgspec.Struct):

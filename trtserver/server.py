@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
+from msgspec import UNSET
 import pluggy
 import structlog
 from aiohttp import web
@@ -74,8 +75,9 @@ async def error_middleware(request: web.Request,
     except errors.APIError as exc:
         log.info("request_failed", status=exc.status, error=exc.message, param=exc.param)
         return error_response(exc)
-    except web.HTTPRequestEntityTooLarge as exc:
-        return error_response(errors.PayloadTooLarge(f"Request body is larger than {exc.max_size} bytes"))
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[STATE].config.max_body_bytes
+        return error_response(errors.PayloadTooLarge(f"Request body is larger than {limit} bytes"))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -228,7 +230,7 @@ class _Collector:
         return CompletionResponse(id=self.prepared.response_id, created=self.prepared.created,
                                   model=service.model_name, choices=choices, usage=self.usage,
                                   system_fingerprint=service.system_fingerprint,
-                                  service_tier=self.prepared.context.service_tier)
+                                  service_tier=self.prepared.context.service_tier or UNSET)
 
 
 async def _response_ready(service: CompletionService, prepared: Prepared, response: object) -> None:

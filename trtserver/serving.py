@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 import pluggy
+from msgspec import UNSET
 import structlog
 
 from trtserver import params
@@ -287,7 +288,7 @@ class CompletionService:
     def _chunk(self, prepared: Prepared, choices: list[CompletionChoice], usage: Usage | None) -> CompletionResponse:
         return CompletionResponse(id=prepared.response_id, created=prepared.created, model=self.model_name,
                                   choices=choices, usage=usage, system_fingerprint=self.system_fingerprint,
-                                  service_tier=prepared.context.service_tier)
+                                  service_tier=prepared.context.service_tier or UNSET)
 
     @staticmethod
     def usage(prepared: Prepared, choices: Iterable[ChoiceState]) -> Usage:
@@ -319,7 +320,7 @@ class CompletionService:
                                   choices=[merged[i] for i in sorted(merged)],
                                   usage=self.usage(prepared, states.values()),
                                   system_fingerprint=self.system_fingerprint,
-                                  service_tier=prepared.context.service_tier)
+                                  service_tier=prepared.context.service_tier or UNSET)
 
 
 def _append(into: CompletionChoice, piece: CompletionChoice) -> None:

@@ -62,7 +62,7 @@ def base_url(engine_dir: Path) -> Iterator[str]:
         wait_healthy(external, None)
         yield external
         return
-    process, base = start_server(engine_dir, "--max-logprobs", "20")
+    process, base = start_server(engine_dir)
     yield base
     process.terminate()
     try:
