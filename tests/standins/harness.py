@@ -51,38 +51,80 @@ def standin(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     clear_trtllm_modules()
 
 
-def make_engine_dir(root: Path, *, trtllm_version: str | None = "1.2.0", context_length: int = 256,
-                    **build: Any) -> Path:
+def make_engine_dir(
+    root: Path, *, trtllm_version: str | None = "1.2.0", context_length: int = 256, **build: Any
+) -> Path:
     """An engine directory: tokenizer files, HF config, manifest; with ``trtllm_version`` also a
     TensorRT-LLM engine under ``trtllm/`` (config.json with pretrained_config + build_config)."""
     root.mkdir(parents=True, exist_ok=True)
     tokenizer = {
-        "version": "1.0", "truncation": None, "padding": None,
-        "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-                          "normalized": False, "special": True} for i, t in enumerate(VOCAB[:2])],
-        "normalizer": None, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None,
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {
+                "id": i,
+                "content": t,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+            for i, t in enumerate(VOCAB[:2])
+        ],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": None,
         "decoder": None,
         "model": {"type": "WordLevel", "vocab": {t: i for i, t in enumerate(VOCAB)}, "unk_token": "<s>"},
     }
     (root / "tokenizer.json").write_text(json.dumps(tokenizer))
     (root / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    (root / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                                                  "vocab_size": len(VOCAB), "eos_token_id": EOS}))
+    (root / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": len(VOCAB),
+                "eos_token_id": EOS,
+            }
+        )
+    )
     manifest: dict[str, Any] = {
-        "format_version": 1, "served_model_name": "tiny", "dtype": "float16", "context_length": context_length,
+        "format_version": 1,
+        "served_model_name": "tiny",
+        "dtype": "float16",
+        "context_length": context_length,
         "source": {"kind": "hf-checkpoint", "location": str(root), "sha256": "0" * 64},
-        "weights_sha256": "1" * 64, "created_by": "test",
+        "weights_sha256": "1" * 64,
+        "created_by": "test",
     }
     if trtllm_version is not None:
         engine = root / "trtllm"
         engine.mkdir(exist_ok=True)
-        build_config = {"max_batch_size": 8, "max_input_len": 128, "max_seq_len": context_length,
-                        "max_beam_width": 1, "gather_context_logits": False, "plugin_config": {}}
+        build_config = {
+            "max_batch_size": 8,
+            "max_input_len": 128,
+            "max_seq_len": context_length,
+            "max_beam_width": 1,
+            "gather_context_logits": False,
+            "plugin_config": {},
+        }
         build_config.update(build)
-        (engine / "config.json").write_text(json.dumps({
-            "version": trtllm_version, "build_config": build_config,
-            "pretrained_config": {"architecture": "LlamaForCausalLM", "dtype": "float16",
-                                  "vocab_size": len(VOCAB)}}))
+        (engine / "config.json").write_text(
+            json.dumps(
+                {
+                    "version": trtllm_version,
+                    "build_config": build_config,
+                    "pretrained_config": {
+                        "architecture": "LlamaForCausalLM",
+                        "dtype": "float16",
+                        "vocab_size": len(VOCAB),
+                    },
+                }
+            )
+        )
         (engine / "rank0.engine").write_bytes(b"")
         manifest["trtllm"] = {"version": trtllm_version, "engine_dir": "trtllm", "build_args": build_config}
     (root / "trtserver.json").write_text(json.dumps(manifest))

@@ -40,8 +40,10 @@ def require_loop() -> None:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        raise RuntimeError("The asyncio event loop was not present during initialization, so async "
-                           "operations are not available") from None
+        raise RuntimeError(
+            "The asyncio event loop was not present during initialization, so async "
+            "operations are not available"
+        ) from None
 
 
 def get(sp: Any, *names: str, default: Any = None) -> Any:
@@ -97,6 +99,7 @@ class Result:
         async def wait() -> Result:
             await self._finished_event.wait()
             return self
+
         return wait().__await__()
 
 

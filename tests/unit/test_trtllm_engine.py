@@ -16,7 +16,8 @@ from trtserver.engine.trtllm_version import Generation
 from trtserver.errors import Unsupported
 
 _spec = importlib.util.spec_from_file_location(
-    "trtllm_standin_harness", Path(__file__).resolve().parents[1] / "standins" / "harness.py")
+    "trtllm_standin_harness", Path(__file__).resolve().parents[1] / "standins" / "harness.py"
+)
 assert _spec is not None and _spec.loader is not None
 harness = sys.modules.get("trtllm_standin_harness") or importlib.util.module_from_spec(_spec)
 if "trtllm_standin_harness" not in sys.modules:
@@ -27,22 +28,35 @@ standin = harness.standin
 VERSIONS = {"v1": "1.2.0", "v0": "0.16.0", "jetson": "0.12.0"}
 
 
-def make_engine(standin: Any, tmp_path: Path, generation: str, *, engine: bool = True, jetson: bool = False,
-                monkeypatch: pytest.MonkeyPatch | None = None, **config: Any) -> Any:
+def make_engine(
+    standin: Any,
+    tmp_path: Path,
+    generation: str,
+    *,
+    engine: bool = True,
+    jetson: bool = False,
+    monkeypatch: pytest.MonkeyPatch | None = None,
+    **config: Any,
+) -> Any:
     standin(generation)
     if jetson:
         assert monkeypatch is not None
         monkeypatch.setattr("trtserver.engine.trtllm_version.on_tegra", lambda: True)
     build = config.pop("build", {})
-    root = harness.make_engine_dir(tmp_path / "e", trtllm_version=VERSIONS[generation] if engine else None,
-                                   **build)
+    root = harness.make_engine_dir(
+        tmp_path / "e", trtllm_version=VERSIONS[generation] if engine else None, **build
+    )
     from trtserver.engine.trtllm import TrtllmEngine
 
     return TrtllmEngine(ServerConfig(engine_dir=str(root), **config))
 
 
-def request(rid: str = "r", *, n: int = 1, prompt: list[int] | None = None, **sampling: Any) -> GenerationRequest:
-    extra = {k: sampling.pop(k) for k in ("priority", "adapter", "guided", "logits_processors") if k in sampling}
+def request(
+    rid: str = "r", *, n: int = 1, prompt: list[int] | None = None, **sampling: Any
+) -> GenerationRequest:
+    extra = {
+        k: sampling.pop(k) for k in ("priority", "adapter", "guided", "logits_processors") if k in sampling
+    }
     sampling.setdefault("temperature", 0.8)
     return GenerationRequest(rid, prompt or [2, 3, 4], SamplingParams(**sampling), n=n, **extra)
 
@@ -103,8 +117,9 @@ def test_unseeded_requests_get_fresh_seeds_and_seed_is_passed(standin: Any, tmp_
     assert len(set(seeds[:3])) == 3 and seeds[3] == 42
 
 
-def test_jetson_uses_old_names_where_needed_and_has_no_abort(standin: Any, tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_jetson_uses_old_names_where_needed_and_has_no_abort(
+    standin: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     engine = make_engine(standin, tmp_path, "jetson", jetson=True, monkeypatch=monkeypatch)
     caps = engine.info.capabilities
     assert not caps.abort and not caps.multiple_sequences and not caps.logits_processors
@@ -134,8 +149,16 @@ def test_jetson_standin_rejects_new_names(standin: Any) -> None:
     standin("jetson")
     from tensorrt_llm.hlapi import SamplingParams as JetsonSP
 
-    for bad in ({"n": 2}, {"best_of": 2}, {"logprobs": 1}, {"ignore_eos": True}, {"logits_processor": object()},
-                {"guided_decoding": object()}, {"detokenize": False}, {"min_p": 0.1}):
+    for bad in (
+        {"n": 2},
+        {"best_of": 2},
+        {"logprobs": 1},
+        {"ignore_eos": True},
+        {"logits_processor": object()},
+        {"guided_decoding": object()},
+        {"detokenize": False},
+        {"min_p": 0.1},
+    ):
         with pytest.raises(TypeError):
             JetsonSP(**bad)
 
@@ -181,8 +204,11 @@ def test_aclose_aborts(standin: Any, tmp_path: Path) -> None:
 
 
 def test_logprobs_with_gathered_logits_avoid_the_streaming_abort_crash(standin: Any, tmp_path: Path) -> None:
-    engine = make_engine(standin, tmp_path, "v1", trtllm_gather_generation_logits=True) \
-        if "trtllm_gather_generation_logits" in ServerConfig.__struct_fields__ else None
+    engine = (
+        make_engine(standin, tmp_path, "v1", trtllm_gather_generation_logits=True)
+        if "trtllm_gather_generation_logits" in ServerConfig.__struct_fields__
+        else None
+    )
     if engine is None:  # config field not added yet: enable through the build facts instead
         engine = make_engine(standin, tmp_path, "v1", build={"gather_generation_logits": True})
     assert engine.features.gather_generation_logits
@@ -287,7 +313,7 @@ def test_adapter_becomes_lora_request(standin: Any, tmp_path: Path) -> None:
 
 def test_plugin_logits_processor_is_passed_as_per_request_processor(standin: Any, tmp_path: Path) -> None:
     engine = make_engine(standin, tmp_path, "v1")
-    asyncio.run(collect(engine, request(max_tokens=1, logits_processors=[lambda: (lambda ids, row: None)])))
+    asyncio.run(collect(engine, request(max_tokens=1, logits_processors=[lambda: lambda ids, row: None])))
     from trtserver.engine.trtllm_logits import TrtllmLogitsProcessor
 
     assert isinstance(engine._llm.calls[-1]["sampling_params"].logits_processor, TrtllmLogitsProcessor)

@@ -17,7 +17,8 @@ from trtserver.engine.trtllm_stream import StreamTranslator, split_logprob
 from trtserver.engine.trtllm_version import Generation, detect
 
 _spec = importlib.util.spec_from_file_location(
-    "trtllm_standin_harness", Path(__file__).resolve().parents[1] / "standins" / "harness.py")
+    "trtllm_standin_harness", Path(__file__).resolve().parents[1] / "standins" / "harness.py"
+)
 assert _spec is not None and _spec.loader is not None
 harness = sys.modules.get("trtllm_standin_harness") or importlib.util.module_from_spec(_spec)
 if "trtllm_standin_harness" not in sys.modules:
@@ -44,20 +45,31 @@ def req(n: int = 1, **kw: Any) -> GenerationRequest:
 
 # one request per rule that uses the field beyond its default
 ACTIVATE: dict[str, GenerationRequest] = {
-    "min_p": req(min_p=0.1), "ignore_eos": req(ignore_eos=True), "logit_bias": req(logit_bias=((3, 1.0),)),
-    "logprobs": req(logprobs=0), "prompt_logprobs": req(prompt_logprobs=1), "n": req(n=2),
-    "use_beam_search": req(n=2, use_beam_search=True), "priority": req(priority=Priority.HIGH),
-    "peft": req(adapter="a"), "guided_json": req(guided=Guide()),
+    "min_p": req(min_p=0.1),
+    "ignore_eos": req(ignore_eos=True),
+    "logit_bias": req(logit_bias=((3, 1.0),)),
+    "logprobs": req(logprobs=0),
+    "prompt_logprobs": req(prompt_logprobs=1),
+    "n": req(n=2),
+    "use_beam_search": req(n=2, use_beam_search=True),
+    "priority": req(priority=Priority.HIGH),
+    "peft": req(adapter="a"),
+    "guided_json": req(guided=Guide()),
     "logits_processors": req(logits_processors=[lambda: None]),
 }
 
-STANDIN_GEN = [("v1", True, Generation.V1_ENGINE), ("v1", False, Generation.V1_PYTORCH),
-               ("v0", True, Generation.V0), ("jetson", True, Generation.JETSON)]
+STANDIN_GEN = [
+    ("v1", True, Generation.V1_ENGINE),
+    ("v1", False, Generation.V1_PYTORCH),
+    ("v0", True, Generation.V0),
+    ("jetson", True, Generation.JETSON),
+]
 
 
 @pytest.mark.parametrize(("name", "engine", "generation"), STANDIN_GEN)
-def test_cells_agree_with_refusals(standin: Any, monkeypatch: pytest.MonkeyPatch, name: str, engine: bool,
-                                   generation: Generation) -> None:
+def test_cells_agree_with_refusals(
+    standin: Any, monkeypatch: pytest.MonkeyPatch, name: str, engine: bool, generation: Generation
+) -> None:
     monkeypatch.setattr("trtserver.engine.trtllm_version.on_tegra", lambda: True)
     f = detect(standin(name), has_engine=engine).with_options(guided_backend="xgrammar", lora_enabled=True)
     assert f.generation is generation
@@ -79,12 +91,20 @@ def test_specific_refusals(standin: Any) -> None:
     assert refusals(req(prompt_logprobs=1), f)[0][0] == "prompt_logprobs"
     built = f.with_options(build=type(f.build)(gather_context_logits=True))
     assert refusals(req(prompt_logprobs=1), built) == []
-    assert refusals(req(priority=Priority.LOW), f)[0] == ("priority", refusals(req(priority=Priority.LOW), f)[0][1])
+    assert refusals(req(priority=Priority.LOW), f)[0] == (
+        "priority",
+        refusals(req(priority=Priority.LOW), f)[0][1],
+    )
     assert "1.4" in refusals(req(priority=Priority.LOW), f)[0][1]
     # guided with a non-xgrammar backend goes through our logits processor: fine on 1.x
     assert refusals(req(guided=Guide()), f) == []
-    assert refusals(req(guided=Guide(), n=2, use_beam_search=True),
-                    f.with_options(build=type(f.build)(max_beam_width=4)))[0][0] == "guided_json"
+    assert (
+        refusals(
+            req(guided=Guide(), n=2, use_beam_search=True),
+            f.with_options(build=type(f.build)(max_beam_width=4)),
+        )[0][0]
+        == "guided_json"
+    )
 
 
 def test_every_request_field_is_in_the_table() -> None:
@@ -103,6 +123,7 @@ def test_doc_matches_code() -> None:
 
 # --- stream translation on plain objects --------------------------------------------------------
 
+
 @dataclass
 class Out:
     index: int = 0
@@ -119,9 +140,16 @@ class RO:
     finished: bool = False
 
 
-def translator(n: int = 1, *, our: frozenset[int] = frozenset(), finish: bool = True, **kw: Any) -> StreamTranslator:
-    return StreamTranslator(req(n=n, **kw), eos_ids=(1, 2), our_stop_ids=our, max_tokens=kw.get("max_tokens", 16),
-                            has_finish_reason=finish)
+def translator(
+    n: int = 1, *, our: frozenset[int] = frozenset(), finish: bool = True, **kw: Any
+) -> StreamTranslator:
+    return StreamTranslator(
+        req(n=n, **kw),
+        eos_ids=(1, 2),
+        our_stop_ids=our,
+        max_tokens=kw.get("max_tokens", 16),
+        has_finish_reason=finish,
+    )
 
 
 def test_cumulative_tokens_and_stop_reason() -> None:
@@ -183,9 +211,19 @@ def test_logprob_shapes() -> None:
 def test_beam_waits_for_the_end() -> None:
     t = translator(n=2, use_beam_search=True)
     assert t.step(RO([Out(0, [5]), Out(1, [6])])) == []
-    out = t.step(RO([Out(0, [5, 6], finish_reason="length", cumulative_logprob=-1.0),
-                     Out(1, [6, 7], finish_reason="length", cumulative_logprob=-2.0)], finished=True))
-    assert [(d.index, d.token_ids, d.cumulative_logprob) for d in out] == [(0, [5, 6], -1.0), (1, [6, 7], -2.0)]
+    out = t.step(
+        RO(
+            [
+                Out(0, [5, 6], finish_reason="length", cumulative_logprob=-1.0),
+                Out(1, [6, 7], finish_reason="length", cumulative_logprob=-2.0),
+            ],
+            finished=True,
+        )
+    )
+    assert [(d.index, d.token_ids, d.cumulative_logprob) for d in out] == [
+        (0, [5, 6], -1.0),
+        (1, [6, 7], -2.0),
+    ]
 
 
 def test_missing_sequences_end_as_abort_on_final() -> None:
@@ -196,6 +234,7 @@ def test_missing_sequences_end_as_abort_on_final() -> None:
 
 
 # --- our per-request logits processor --------------------------------------------------------------
+
 
 class AllowOnly:
     def __init__(self, allowed: set[int]) -> None:
@@ -231,8 +270,12 @@ def test_logits_processor_masks_and_feeds_tokens() -> None:
 
     guide = Guided({3, 40})
     calls: list[list[int]] = []
-    proc = TrtllmLogitsProcessor(guided=guide, processors=[lambda: (lambda ids, row: calls.append(list(ids)))],
-                                 logit_bias=((3, 1.0),), eos_ids=(1,))
+    proc = TrtllmLogitsProcessor(
+        guided=guide,
+        processors=[lambda: lambda ids, row: calls.append(list(ids))],
+        logit_bias=((3, 1.0),),
+        eos_ids=(1,),
+    )
     logits = torch.zeros(1, 1, 70)
     proc(7, logits, [[2, 3]], None, None)  # the prompt (or nothing) on the first call
     assert torch.isinf(logits[0, 0, 0]) and logits[0, 0, 3] == 1.0 and logits[0, 0, 40] == 0.0

@@ -20,7 +20,8 @@ from trtserver.engine.trtllm_version import (
 )
 
 _spec = importlib.util.spec_from_file_location(
-    "trtllm_standin_harness", Path(__file__).resolve().parents[1] / "standins" / "harness.py")
+    "trtllm_standin_harness", Path(__file__).resolve().parents[1] / "standins" / "harness.py"
+)
 assert _spec is not None and _spec.loader is not None
 harness = sys.modules.get("trtllm_standin_harness") or importlib.util.module_from_spec(_spec)
 if "trtllm_standin_harness" not in sys.modules:
@@ -30,11 +31,18 @@ standin = harness.standin
 
 
 def test_importing_trtserver_never_imports_tensorrt_llm() -> None:
-    code = ("import sys, trtserver, trtserver.engine.trtllm, trtserver.engine.trtllm_mapping, "
-            "trtserver.engine.trtllm_request, trtserver.engine.trtllm_stream, trtserver.engine.trtllm_logits; "
-            "bad = [m for m in ('tensorrt_llm', 'torch') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[2])
+    code = (
+        "import sys, trtserver, trtserver.engine.trtllm, trtserver.engine.trtllm_mapping, "
+        "trtserver.engine.trtllm_request, trtserver.engine.trtllm_stream, trtserver.engine.trtllm_logits; "
+        "bad = [m for m in ('tensorrt_llm', 'torch') if m in sys.modules]; print(bad); sys.exit(bool(bad))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -45,8 +53,9 @@ def test_in_process_too() -> None:
     assert "tensorrt_llm" not in sys.modules
 
 
-@pytest.mark.parametrize(("version", "release"), [("1.2.0rc2", (1, 2, 0)), ("0.12.0-jetson", (0, 12, 0)),
-                                                  ("0.21", (0, 21, 0))])
+@pytest.mark.parametrize(
+    ("version", "release"), [("1.2.0rc2", (1, 2, 0)), ("0.12.0-jetson", (0, 12, 0)), ("0.21", (0, 21, 0))]
+)
 def test_parse_release(version: str, release: tuple[int, int, int]) -> None:
     assert parse_release(version) == release
 
@@ -94,7 +103,9 @@ def test_unavailable_without_tensorrt_llm(tmp_path: Path) -> None:
     assert trtllm_unavailable_reason(ServerConfig(engine_dir=str(root))) == "TensorRT-LLM is not installed"
 
 
-def test_unavailable_reasons_with_standin(standin: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unavailable_reasons_with_standin(
+    standin: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import torch
 
     from trtserver.engine import trtllm

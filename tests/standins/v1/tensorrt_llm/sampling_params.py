@@ -25,8 +25,14 @@ class GuidedDecodingParams:
 
 class LogitsProcessor(ABC):
     @abstractmethod
-    def __call__(self, req_id: int, logits: Any, token_ids: list[list[int]], stream_ptr: int | None,
-                 client_id: int | None) -> None: ...
+    def __call__(
+        self,
+        req_id: int,
+        logits: Any,
+        token_ids: list[list[int]],
+        stream_ptr: int | None,
+        client_id: int | None,
+    ) -> None: ...
 
 
 @dataclass(slots=True, kw_only=True)
@@ -85,10 +91,18 @@ class SamplingParams:
         self.best_of = self.best_of or self.n
         if self.best_of < self.n:
             raise ValueError(f"best_of ({self.best_of}) cannot be less than n ({self.n})")
-        greedy = (all(v is None for v in (self.temperature, self.top_p, self.top_k)) or self.top_k == 1
-                  or self.top_p == 0.0 or self.temperature == 0)
-        if greedy and self.best_of > 1 and not self.use_beam_search \
-                and os.environ.get("TLLM_ALLOW_N_GREEDY_DECODING") != "1":
+        greedy = (
+            all(v is None for v in (self.temperature, self.top_p, self.top_k))
+            or self.top_k == 1
+            or self.top_p == 0.0
+            or self.temperature == 0
+        )
+        if (
+            greedy
+            and self.best_of > 1
+            and not self.use_beam_search
+            and os.environ.get("TLLM_ALLOW_N_GREEDY_DECODING") != "1"
+        ):
             raise ValueError("Greedy decoding in the LLM API does not allow multiple returns")
         if self.top_k is not None and self.top_k < 0:
             raise ValueError("top_k must be >= 0")

@@ -28,8 +28,17 @@ class GenerationResult(core.Result):
 
 class LLM:
     def __init__(self, model: str, tokenizer: str | None = None, **kwargs: Any) -> None:
-        core.check_kwargs(kwargs, {"skip_tokenizer_init", "tensor_parallel_size", "dtype", "trust_remote_code",
-                                   "logits_post_processor_map", "kv_cache_config"})
+        core.check_kwargs(
+            kwargs,
+            {
+                "skip_tokenizer_init",
+                "tensor_parallel_size",
+                "dtype",
+                "trust_remote_code",
+                "logits_post_processor_map",
+                "kv_cache_config",
+            },
+        )
         self.config = core.read_engine_config(model)
         if "build_config" not in self.config:
             raise ValueError(f"{model} is not a TensorRT-LLM engine directory")
@@ -37,8 +46,9 @@ class LLM:
         self.calls: list[dict[str, Any]] = []
         self.script: list[int] | None = None
 
-    def generate_async(self, inputs: Any, sampling_params: SamplingParams | None = None,
-                       streaming: bool = False) -> GenerationResult:
+    def generate_async(
+        self, inputs: Any, sampling_params: SamplingParams | None = None, streaming: bool = False
+    ) -> GenerationResult:
         core.require_loop()
         sp = sampling_params or SamplingParams()
         if not isinstance(sp, SamplingParams):

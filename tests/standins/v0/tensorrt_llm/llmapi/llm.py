@@ -10,13 +10,44 @@ import standin_core as core
 
 from tensorrt_llm.sampling_params import SamplingParams
 
-COMMON = {"tokenizer", "tokenizer_mode", "skip_tokenizer_init", "trust_remote_code", "tensor_parallel_size",
-          "dtype", "revision", "tokenizer_revision", "pipeline_parallel_size", "gather_generation_logits",
-          "guided_decoding_backend", "lora_config", "kv_cache_config", "max_batch_size", "max_num_tokens",
-          "max_seq_len", "build_config", "enable_chunked_prefill", "peft_cache_config", "backend"}
-TRT_ONLY = {"logits_post_processor_map", "enable_tqdm", "workspace", "enable_build_cache", "calib_config", "quant_config", "fast_build",
-            "batching_type", "normalize_log_probs", "extended_runtime_perf_knob_config",
-            "embedding_parallel_mode", "enable_prompt_adapter", "max_prompt_adapter_token", "enable_lora"}
+COMMON = {
+    "tokenizer",
+    "tokenizer_mode",
+    "skip_tokenizer_init",
+    "trust_remote_code",
+    "tensor_parallel_size",
+    "dtype",
+    "revision",
+    "tokenizer_revision",
+    "pipeline_parallel_size",
+    "gather_generation_logits",
+    "guided_decoding_backend",
+    "lora_config",
+    "kv_cache_config",
+    "max_batch_size",
+    "max_num_tokens",
+    "max_seq_len",
+    "build_config",
+    "enable_chunked_prefill",
+    "peft_cache_config",
+    "backend",
+}
+TRT_ONLY = {
+    "logits_post_processor_map",
+    "enable_tqdm",
+    "workspace",
+    "enable_build_cache",
+    "calib_config",
+    "quant_config",
+    "fast_build",
+    "batching_type",
+    "normalize_log_probs",
+    "extended_runtime_perf_knob_config",
+    "embedding_parallel_mode",
+    "enable_prompt_adapter",
+    "max_prompt_adapter_token",
+    "enable_lora",
+}
 
 
 @dataclass
@@ -37,7 +68,7 @@ class CompletionOutput:
 
     @property
     def token_ids_diff(self) -> list[int]:
-        return self.token_ids[self._last_len:]
+        return self.token_ids[self._last_len :]
 
 
 class RequestOutput(core.Result):
@@ -47,7 +78,6 @@ class RequestOutput(core.Result):
         self._gathered_logprobs = gathered_logprobs
 
 
-
 class BaseLLM:
     trt = False
 
@@ -55,10 +85,14 @@ class BaseLLM:
         core.check_kwargs(kwargs, COMMON | (TRT_ONLY if self.trt else set()))
         bad = set(kwargs) & TRT_ONLY
         if bad and not self.trt:
-            raise ValueError(f"{sorted(bad)} are specific to TensorRT backend; use "
-                             "'from tensorrt_llm._tensorrt_engine import LLM'")
+            raise ValueError(
+                f"{sorted(bad)} are specific to TensorRT backend; use "
+                "'from tensorrt_llm._tensorrt_engine import LLM'"
+            )
         backend = kwargs.get("guided_decoding_backend")
-        if backend not in (None, "xgrammar", "llguidance") or (self.trt and backend not in (None, "xgrammar")):
+        if backend not in (None, "xgrammar", "llguidance") or (
+            self.trt and backend not in (None, "xgrammar")
+        ):
             raise ValueError(f"Unsupported guided decoding backend {backend}")
         self.config = core.read_engine_config(model)
         is_engine = "pretrained_config" in self.config and "build_config" in self.config
@@ -73,9 +107,14 @@ class BaseLLM:
         self.shut = False
         self.script: list[int] | None = None
 
-    def generate_async(self, inputs: Any, sampling_params: SamplingParams | None = None,
-                       lora_request: Any = None, prompt_adapter_request: Any = None,
-                       streaming: bool = False) -> RequestOutput:
+    def generate_async(
+        self,
+        inputs: Any,
+        sampling_params: SamplingParams | None = None,
+        lora_request: Any = None,
+        prompt_adapter_request: Any = None,
+        streaming: bool = False,
+    ) -> RequestOutput:
         if self.shut or self.crashed:
             raise RuntimeError("LLM is shutting down")
         core.require_loop()
@@ -84,12 +123,14 @@ class BaseLLM:
             raise TypeError("sampling_params must be SamplingParams")
         prompt = list(inputs["prompt_token_ids"] if isinstance(inputs, dict) else inputs)
         self._check_arguments(prompt, sp)
-        self.calls.append({"inputs": prompt, "sampling_params": sp, "lora_request": lora_request,
-                           "streaming": streaming})
+        self.calls.append(
+            {"inputs": prompt, "sampling_params": sp, "lora_request": lora_request, "streaming": streaming}
+        )
         count = sp.best_of or sp.n
         outs = [CompletionOutput(index=i) for i in range(count)]
-        result = RequestOutput(prompt, outs, streaming=streaming, llm=self,
-                               gathered_logprobs=bool(self.trt and sp.logprobs))
+        result = RequestOutput(
+            prompt, outs, streaming=streaming, llm=self, gathered_logprobs=bool(self.trt and sp.logprobs)
+        )
         result.task = asyncio.get_running_loop().create_task(core.run(result, sp, self, finish_reasons=True))
         return result
 
@@ -99,12 +140,16 @@ class BaseLLM:
             if prompt and len(prompt) + sp.max_tokens > build.get("max_seq_len", 1 << 30):
                 raise ValueError("prompt length plus max_tokens exceeds max_seq_len")
             if sp.logprobs and not self.kwargs.get("gather_generation_logits"):
-                raise ValueError("`logprobs` requires `gather_generation_logits=True` to be passed explicitly "
-                                 "to the `LLM()` constructor")
+                raise ValueError(
+                    "`logprobs` requires `gather_generation_logits=True` to be passed explicitly "
+                    "to the `LLM()` constructor"
+                )
             if sp.use_beam_search and (sp.best_of or 1) > build.get("max_beam_width", 1):
                 raise ValueError("best_of exceeds max_beam_width")
         if sp.guided_decoding is not None and self.kwargs.get("guided_decoding_backend") is None:
-            raise RuntimeError("Request is specified with GuidedDecodingParams, but GuidedDecoder is not setup")
+            raise RuntimeError(
+                "Request is specified with GuidedDecodingParams, but GuidedDecoder is not setup"
+            )
 
     def shutdown(self) -> None:
         self.shut = True
