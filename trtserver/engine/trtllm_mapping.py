@@ -167,7 +167,7 @@ def _check_prompt_logprobs(r: GenerationRequest, f: ApiFeatures) -> str | None:
         return f"TensorRT-LLM {f.version} has no prompt logprobs (added in 0.20)"
     if f.trt_backend and not f.build.gather_context_logits:
         return ("prompt logprobs (echo with logprobs, loglikelihood) need an engine built with "
-                "gather_context_logits; rebuild with `make engines TRTLLM_GATHER_CONTEXT_LOGITS=1`")
+                "gather_context_logits; rebuild with `trtserver build --trtllm-gather-context-logits`")
     if not f.trt_backend and f.release < (1, 1, 0):
         return f"TensorRT-LLM {f.version}'s PyTorch backend has no prompt logprobs (added in 1.1)"
     return None
@@ -320,7 +320,7 @@ def refusals(request: GenerationRequest, features: ApiFeatures) -> list[tuple[st
 
 def render_markdown() -> str:
     """The table for docs/deploy.md, between the BEGIN/END markers."""
-    head = "| request field | " + " | ".join(g.title for g in GENERATIONS) + " |"
+    head = "| request field | " + " | ".join(g.label for g in GENERATIONS) + " |"
     lines = [head, "|" + "---|" * (len(GENERATIONS) + 1)]
     for rule in RULES:
         cells = " | ".join(c.render() for c in rule.cells)

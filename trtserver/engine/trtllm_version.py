@@ -36,7 +36,7 @@ class Generation(str, enum.Enum):
     JETSON = "0.12-jetson"
 
     @property
-    def title(self) -> str:
+    def label(self) -> str:
         return {
             Generation.V1_ENGINE: "1.x, TensorRT engine",
             Generation.V1_PYTORCH: "1.x, PyTorch backend (HF checkpoint)",
