@@ -51,7 +51,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
 
     from trtserver.logs import configure_logging
     from trtserver.plugins import PluginLoadError
@@ -98,9 +97,13 @@ def plugins_command(args: argparse.Namespace) -> int:
 
 
 def build(args: argparse.Namespace) -> int:
-    from build_engines.cli import run_build
+    from build_engines.cli import BUILD_ERRORS, run_build
 
-    path = run_build(args)
+    try:
+        path = run_build(args)
+    except BUILD_ERRORS as exc:
+        print(f"trtserver build: {exc}", file=sys.stderr)
+        return 1
     print(path)
     return 0
 

@@ -38,6 +38,12 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prefill_chunk_size: Annotated[int, Meta(ge=16)] = 512
     threads: Annotated[int, Meta(ge=0)] = 0  # 0 = torch default
     cuda_graphs: bool = True
+    # TensorRT-LLM engine
+    tensor_parallel_size: Annotated[int, Meta(ge=1)] = 1
+    pipeline_parallel_size: Annotated[int, Meta(ge=1)] = 1
+    trtllm_gather_generation_logits: bool = False
+    trtllm_guided_decoding_backend: str | None = "xgrammar"
+    max_lora_rank: Annotated[int, Meta(ge=1)] = 64
     # API limits (OpenAI's by default; each raisable)
     max_logprobs: Annotated[int, Meta(ge=0)] = 5
     max_stop_sequences: Annotated[int, Meta(ge=1)] = 4

@@ -6,9 +6,8 @@ mapping in one middleware (and once more for errors that happen after an SSE str
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import re
+from collections.abc import Mapping
 
 import msgspec
 

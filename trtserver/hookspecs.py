@@ -91,7 +91,9 @@ def trtserver_quota_store(config: ServerConfig) -> QuotaStore | None:
 
 
 @hookspec
-def trtserver_request_received(request: CompletionRequest, context: RequestContext) -> Awaitable[None] | None:
+def trtserver_request_received(
+    request: CompletionRequest, context: RequestContext
+) -> Awaitable[None] | None:
     """Inspect a validated request before any work is done: auth, quotas, audit, prompt logging.
 
     :param request: the decoded ``CompletionRequest`` (read it; do not mutate it).
@@ -125,7 +127,9 @@ def trtserver_guided_decoder(spec: GuideSpec, backend: str, context: GuideContex
 
 
 @hookspec
-def trtserver_logits_processors(request: CompletionRequest, context: RequestContext) -> list[Callable[[], LogitsProcessor]] | None:
+def trtserver_logits_processors(
+    request: CompletionRequest, context: RequestContext
+) -> list[Callable[[], LogitsProcessor]] | None:
     """Per-sequence logits processors for a request.
 
     :param request: the decoded request.
@@ -139,7 +143,9 @@ def trtserver_logits_processors(request: CompletionRequest, context: RequestCont
 
 
 @hookspec
-def trtserver_stop_checkers(request: CompletionRequest, context: RequestContext) -> list[Callable[[], StopChecker]] | None:
+def trtserver_stop_checkers(
+    request: CompletionRequest, context: RequestContext
+) -> list[Callable[[], StopChecker]] | None:
     """Custom stop conditions on generated text, beyond ``stop`` strings and ``stop_token_ids``.
 
     :param request: the decoded request (read plugin-specific fields from ``context.extra``,
@@ -156,7 +162,9 @@ def trtserver_stop_checkers(request: CompletionRequest, context: RequestContext)
 
 
 @hookspec
-def trtserver_response_ready(request: CompletionRequest, response: CompletionResponse, context: RequestContext) -> Awaitable[None] | None:
+def trtserver_response_ready(
+    request: CompletionRequest, response: CompletionResponse, context: RequestContext
+) -> Awaitable[None] | None:
     """See a finished response: accounting, audit, logging.
 
     :param request: the decoded request.

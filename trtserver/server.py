@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
-from msgspec import UNSET
 import pluggy
 import structlog
 from aiohttp import web
+from msgspec import UNSET
 
 from trtserver import errors
 from trtserver.config import ServerConfig

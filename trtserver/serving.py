@@ -13,15 +13,15 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 import pluggy
-from msgspec import UNSET
 import structlog
+from msgspec import UNSET
 
 from trtserver import params
 from trtserver.choices import ChoiceState, TokenNamer, legacy_logprobs, vllm_prompt_logprobs
 from trtserver.config import ServerConfig
 from trtserver.engine.base import Engine, GenerationRequest, GuidedDecoder, SequenceOutput
 from trtserver.errors import InvalidRequest, Unsupported
-from trtserver.guided import GuideContext, guide_spec_from_request
+from trtserver.guided import GuideContext, GuideSpec, guide_spec_from_request
 from trtserver.plugins import await_me_maybe
 from trtserver.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from trtserver.request_context import RequestContext
@@ -72,7 +72,8 @@ class CompletionService:
         width = request.best_of or request.n
         sampling = params.sampling_params(request, max_tokens, self.info,
                                           rank_by_logprob=width > request.n and not request.use_beam_search)
-        guided = await self._guided_decoder(request)
+        guide = guide_spec_from_request(request)
+        guided = await self._guided_decoder(*guide) if guide is not None else None
         processors = [f for fs in self.pm.hook.trtserver_logits_processors(request=request, context=context)
                       if fs for f in fs]
         if processors and not self.info.capabilities.logits_processors:
@@ -94,6 +95,8 @@ class CompletionService:
                 priority=priority,
                 adapter=request.peft,
                 guided=guided,
+                guide_spec=guide[0] if guide else None,
+                guide_backend=guide[1] if guide else None,
                 logits_processors=processors,
             )
             for i, prompt in enumerate(prompts)
@@ -101,14 +104,11 @@ class CompletionService:
         check = getattr(self.engine, "check", None)
         if check is not None:
             for engine_request in engine_requests:
-                check(engine_request)
+                for param, reason in check(engine_request):
+                    raise Unsupported(reason, param=_sent_param(request, param))
         return Prepared(request, context, response_id, int(time.time()), prompts, engine_requests, stops)
 
-    async def _guided_decoder(self, request: CompletionRequest) -> GuidedDecoder | None:
-        found = guide_spec_from_request(request)
-        if found is None:
-            return None
-        spec, backend = found
+    async def _guided_decoder(self, spec: GuideSpec, backend: str) -> GuidedDecoder:
         if not self.info.capabilities.guided_decoding:
             raise Unsupported(f"this engine ({self.info.backend}) does not support guided decoding",
                               param="guided_decoding_backend")
@@ -353,6 +353,18 @@ def _keep_best(merged: dict[int, CompletionChoice], states: dict[tuple[int, int]
                 choice.index = p * n + rank
                 kept[choice.index] = choice
     return kept
+
+
+def _sent_param(request: CompletionRequest, param: str) -> str:
+    """An engine names a refused feature generically; blame the field the client actually sent."""
+    if param.startswith("guided") or param in ("structured_outputs", "response_format"):
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                     "response_format"):
+            if getattr(request, name) is not None:
+                return name
+    if param in ("n", "best_of"):
+        return "best_of" if request.best_of is not None and request.best_of > 1 else "n"
+    return param
 
 
 def new_request_id() -> str:

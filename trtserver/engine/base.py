@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
+    from trtserver.guided import GuideSpec
     from trtserver.tokenizer import Tokenizer
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -110,6 +111,9 @@ class GenerationRequest:
     adapter: str | None = None
     # one factory call per sequence, so per-sequence state is never shared
     guided: GuidedDecoder | None = None
+    # the guide as asked for: engines with native guided decoding (TensorRT-LLM's xgrammar) use it
+    guide_spec: GuideSpec | None = None
+    guide_backend: str | None = None
     logits_processors: Sequence[Callable[[], LogitsProcessor]] = ()
 
 
@@ -198,6 +202,10 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+    # Optional: ``check(request) -> list[tuple[param, reason]]`` lists what this engine must refuse
+    # for a request (the serving layer answers 400 naming the first); engines that can serve
+    # everything the capabilities allow need not define it.
 
 
 @dataclass(frozen=True, slots=True)
