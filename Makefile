@@ -38,5 +38,8 @@ lint: install
 	$(VENV)/bin/ruff check trtserver build_engines plugins tests bench
 	$(VENV)/bin/mypy trtserver build_engines
 
+gpu-check: install
+	$(PY) bench/gpu_check.py
+
 clean:
 	rm -rf $(VENV) engines .cache
