@@ -1,0 +1,515 @@
+"""``make bench``: our server against llama.cpp's (llama-cpp-python's server) on the same GGUF model, one client.
+
+    .venv/bin/python -m bench.harness                 # full run: ours, the peer, in-process; appends bench/RESULTS.md
+    .venv/bin/python -m bench.harness --quick         # fewer requests per scenario (a few minutes)
+    .venv/bin/python -m bench.harness --ours-only     # no peer (no llama-cpp-python install)
+    .venv/bin/python -m bench.harness --first-slice   # the first-slice report: ours only, 1/4/16 streams, RSS
+    .venv/bin/python -m bench.harness --device cuda   # GPU box: ours only, 1/16/64 streams, HBM roofline at batch 1
+
+Scenarios (temperature 0, 128 tokens each): one stream with a short and a ~230-token prompt, then 4 and 16
+concurrent closed-loop streams; aggregate tokens/s, p50/p99 latency, time to first token; RSS and start-up time.
+The peer runs from its own venv (``.cache/bench-llamacpp-venv``, installed on first use, reused after).
+Everything is bounded (per-request timeouts, start-up timeouts, ``--max-minutes``), loopback only, and every
+process started is stopped on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import platform
+import re
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import peers
+from bench.client import LoadResult, completion_usage, run_load
+from bench.prompts import LONG, SHORT
+
+ROOT = peers.ROOT
+DEFAULT_ENGINE = ROOT / "engines" / "SmolLM2-135M-Instruct"
+RESULTS = ROOT / "bench" / "RESULTS.md"
+
+# peak HBM/GDDR bandwidth, GB/s, by a substring of the GPU's name (first match wins)
+PEAK_BW_GBS = [("GH200", 4000.0), ("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),
+               ("B200", 8000.0), ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0), ("A100", 1555.0),
+               ("L40S", 864.0), ("L40", 864.0), ("L4", 300.0), ("A10G", 600.0), ("A10", 600.0),
+               ("RTX 4090", 1008.0), ("RTX 3090", 936.0), ("T4", 320.0)]
+
+
+@dataclass
+class Scenario:
+    name: str
+    prompt: str
+    streams: int
+    per_stream: int
+
+
+@dataclass
+class ServerRun:
+    name: str
+    startup_s: float = float("nan")
+    rss_peak: int = 0
+    rss_idle: int = 0
+    loads: dict[str, LoadResult] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    profile: str = ""
+
+
+def scenarios(args: argparse.Namespace) -> list[Scenario]:
+    q = args.quick
+    if args.device != "cpu":
+        return [Scenario("1 stream", SHORT, 1, 2 if q else 5), Scenario("16 streams", SHORT, 16, 1 if q else 3),
+                Scenario("64 streams", SHORT, 64, 1 if q else 2)]
+    out = [Scenario("1 stream, short prompt", SHORT, 1, 2 if q else 4)]
+    if not args.first_slice:
+        out.append(Scenario("1 stream, ~230-token prompt", LONG, 1, 1 if q else 3))
+    out += [Scenario("4 streams", SHORT, 4, 1 if q else 2), Scenario("16 streams", SHORT, 16, 1 if q else 2)]
+    return out
+
+
+class RssSampler:
+    """Samples a server's RSS (process tree) every ``interval`` seconds on a thread while a load runs."""
+
+    def __init__(self, server: peers.Server, interval: float = 0.25) -> None:
+        self.server, self.interval = server, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.server.sample_rss()
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def model_name(base_url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as resp:
+        data = json.load(resp)
+    return str(data["data"][0]["id"])
+
+
+async def probe_extra(server: peers.Server, model: str, tokens: int, ours: bool) -> tuple[dict[str, Any], list[str]]:
+    """The request fields this server gets, and what was found out about them (ignore_eos, include_usage)."""
+    notes: list[str] = []
+    extra: dict[str, Any] = {"stream_options": {"include_usage": True}}
+    if ours:
+        extra["ignore_eos"] = True
+    else:
+        # does it accept stream_options? (if it rejects it, count chunks)
+        from bench.client import run_load as _load
+
+        trial = await _load(server.base_url, model, SHORT, 4, 1, 1, extra=extra, timeout_s=60)
+        r = trial.results[0]
+        if not r.ok:
+            extra = {}
+            notes.append(f"{server.name}: stream_options rejected ({r.error[:80]}); tokens counted as SSE chunks")
+        elif r.counted_by != "usage":
+            notes.append(f"{server.name}: stream_options.include_usage accepted but no usage chunk sent; "
+                         "tokens counted as SSE chunks")
+        # ignore_eos: send it and see whether it changes anything; the prompts are chosen not to stop early anyway
+        try:
+            n, finish, _ = await completion_usage(server.base_url, model, SHORT, tokens, {"ignore_eos": True})
+            notes.append(f"{server.name}: `ignore_eos` accepted without error (not a documented field of "
+                         f"llama-cpp-python; the prompts are chosen to run past {tokens} tokens: "
+                         f"non-streamed check gave {n} tokens, finish_reason={finish})")
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            notes.append(f"{server.name}: `ignore_eos` rejected ({str(exc)[:80]}); not sent")
+    for label, prompt in (("short", SHORT), ("long", LONG)):
+        fields = {k: v for k, v in extra.items() if k != "stream_options"}
+        n, finish, _ = await completion_usage(server.base_url, model, prompt, tokens, fields)
+        if n != tokens:
+            notes.append(f"{server.name}: WARNING {label} prompt generated {n} tokens, not {tokens} ({finish})")
+    return extra, notes
+
+
+def py_spy() -> str | None:
+    for cand in (peers.LLAMACPP_VENV / "bin" / "py-spy", Path(sys.executable).with_name("py-spy")):
+        if cand.exists():
+            return str(cand)
+    return shutil.which("py-spy")
+
+
+def summarize_profile(raw: Path, top: int = 14) -> str:
+    """py-spy raw (collapsed) stacks -> the functions with most self time and most inclusive time."""
+    self_c: Counter[str] = Counter()
+    incl_c: Counter[str] = Counter()
+    thread_c: Counter[str] = Counter()
+    total = 0
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        total += n
+        thread_c[frames[0]] += n
+        self_c[_short(frames[-1])] += n
+        for f in {_short(f) for f in frames[1:]}:
+            incl_c[f] += n
+    if not total:
+        return "(no samples)"
+    lines = [f"{total} samples (all threads, idle included). By thread:"]
+    lines += [f"  {100 * n / total:5.1f}%  {name}" for name, n in thread_c.most_common(6)]
+    lines.append("Self time (leaf frame):")
+    lines += [f"  {100 * n / total:5.1f}%  {name}" for name, n in self_c.most_common(top)]
+    lines.append("Inclusive time:")
+    lines += [f"  {100 * n / total:5.1f}%  {name}" for name, n in incl_c.most_common(top)]
+    return "\n".join(lines)
+
+
+def _short(frame: str) -> str:
+    # "func (path/to/file.py:123)" -> "func (file.py:123)"; keep trtserver paths readable
+    m = re.match(r"(.*) \((.*?):?(\d*)\)$", frame)
+    if not m:
+        return frame
+    func, path, line = m.groups()
+    p = Path(path)
+    where = "/".join(p.parts[p.parts.index("trtserver"):]) if "trtserver" in p.parts else p.name
+    return f"{func} ({where}:{line})" if line else f"{func} ({where})"
+
+
+async def drive(server: peers.Server, run: ServerRun, args: argparse.Namespace, ours: bool, deadline: float) -> None:
+    model = model_name(server.base_url)
+    run.rss_idle = server.sample_rss()
+    extra, notes = await probe_extra(server, model, args.tokens, ours)
+    run.notes += notes
+    await run_load(server.base_url, model, SHORT, 16, 1, 1, extra=extra)  # warm-up
+    for sc in scenarios(args):
+        if time.monotonic() > deadline:
+            run.notes.append(f"{server.name}: skipped '{sc.name}' (past --max-minutes)")
+            continue
+        with RssSampler(server):
+            load = await run_load(server.base_url, model, sc.prompt, args.tokens, sc.streams, sc.per_stream,
+                                  extra=extra, timeout_s=args.request_timeout)
+        run.loads[sc.name] = load
+        short = [r.tokens for r in load.ok if r.tokens != args.tokens]
+        if load.failures or short:
+            errors = {r.error for r in load.results if not r.ok}
+            run.notes.append(f"{server.name} '{sc.name}': {load.failures} failed {sorted(errors)[:2]}, "
+                             f"{len(short)} streams not {args.tokens} tokens ({short[:5]})")
+        print(f"[bench] {server.name:9s} {sc.name:28s} agg {load.agg_tps:7.1f} tok/s  per-stream "
+              f"{load.per_stream_tps:6.1f} tok/s  ttft p50 {1000 * load.pct('ttft_s', 50):7.0f} ms  "
+              f"lat p50 {load.pct('latency_s', 50):6.2f} s p99 {load.pct('latency_s', 99):6.2f} s  "
+              f"[{load.counted_by}]", flush=True)
+    if ours and args.profile and args.device == "cpu" and time.monotonic() < deadline:
+        run.profile = await profile_round(server, model, extra, args)
+    run.rss_peak = server.peak_rss
+
+
+async def profile_round(server: peers.Server, model: str, extra: dict[str, Any], args: argparse.Namespace) -> str:
+    """An extra (unmeasured) 16-stream round with py-spy sampling our server."""
+    exe = py_spy()
+    if exe is None or server.proc is None:
+        return "(py-spy not found: pip install py-spy into .cache/bench-llamacpp-venv)"
+    raw = peers.OUT / "ours-16streams.pyspy.txt"
+    duration = args.profile_seconds
+    cmd = [exe, "record", "--pid", str(server.proc.pid), "--duration", str(duration), "--rate", "50",
+           "--format", "raw", "--output", str(raw), "--nonblocking", "--threads"]
+    spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        await run_load(server.base_url, model, SHORT, args.tokens, 16, 1, extra=extra, timeout_s=args.request_timeout)
+        _, err = spy.communicate(timeout=duration + 30)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        spy.wait(timeout=10)
+        return "(py-spy timed out)"
+    if not raw.exists():
+        return f"(py-spy failed: {err.decode(errors='replace')[-300:]})"
+    return summarize_profile(raw)
+
+
+def run_server(server: peers.Server, run: ServerRun, args: argparse.Namespace, ours: bool, deadline: float) -> None:
+    print(f"[bench] starting {server.name}: {' '.join(server.cmd)}", flush=True)
+    with server:
+        run.startup_s = server.start(timeout_s=args.start_timeout)
+        print(f"[bench] {server.name} ready in {run.startup_s:.2f} s, RSS {server.peak_rss / 2**20:.0f} MiB",
+              flush=True)
+        asyncio.run(drive(server, run, args, ours, deadline))
+
+
+def inproc(python: Path, kind: str, extra: list[str], timeout_s: float) -> dict[str, Any]:
+    cmd = [str(python), str(ROOT / "bench" / "inproc.py"), kind, *extra]
+    print(f"[bench] in-process: {' '.join(cmd)}", flush=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": "timeout"}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            out: dict[str, Any] = json.loads(line[7:])
+            print(f"[bench]   {out}", flush=True)
+            return out
+    return {"error": (proc.stderr or proc.stdout)[-400:]}
+
+
+# ---- the GPU roofline ---------------------------------------------------------------------------------------------
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def weight_params(engine_dir: Path) -> int:
+    total = 0
+    for f in sorted(engine_dir.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                total += int(__import__("math").prod(meta["shape"]))
+    return total
+
+
+def gpu_name() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.strip().splitlines()
+        return out[0] if out else ""
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def default_peak_bw(name: str) -> float | None:
+    for key, bw in PEAK_BW_GBS:
+        if key.lower() in name.lower():
+            return bw
+    return None
+
+
+# ---- the report ---------------------------------------------------------------------------------------------------
+def fmt(x: float, spec: str = ".1f") -> str:
+    return "n/a" if x != x else format(x, spec)  # NaN check
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b and a == a and b == b else float("nan")
+
+
+def build_table(ours: ServerRun, peer: ServerRun | None, extra_rows: list[tuple[str, str, str, str, str]]
+                ) -> list[str]:
+    head = "| metric | ours | llama.cpp server | ours/peer | target |"
+    rows = [head, "|---|---:|---:|---:|---|"]
+
+    def add(metric: str, a: float, b: float | None, spec: str = ".1f", target: str = "", higher: bool = True) -> None:
+        r = ratio(a, b) if b is not None else float("nan")
+        arrow = "" if r != r else (" ↑" if higher else " ↓")
+        rows.append(f"| {metric} | {fmt(a, spec)} | {fmt(b, spec) if b is not None else '-'} | "
+                    f"{fmt(r, '.2f')}×{arrow} | {target} |")
+
+    p = peer
+    add("start-up to ready (s)", ours.startup_s, p.startup_s if p else None, ".2f", "ours < 10 s", higher=False)
+    add("RSS peak (MiB)", ours.rss_peak / 2**20, p.rss_peak / 2**20 if p else None, ".0f", "ours < 1536 MiB",
+        higher=False)
+    for name, load in ours.loads.items():
+        pl = p.loads.get(name) if p else None
+        target = ""
+        if name.startswith("16 streams"):
+            target = "≥ 5× peer"
+        add(f"{name}: aggregate tokens/s", load.agg_tps, pl.agg_tps if pl else None, ".1f", target)
+        add(f"{name}: per-stream decode tokens/s", load.per_stream_tps, pl.per_stream_tps if pl else None, ".1f",
+            "≥ 1.0× peer" if name.startswith("1 stream") else "")
+        add(f"{name}: TTFT p50 (ms)", 1000 * load.pct("ttft_s", 50), 1000 * pl.pct("ttft_s", 50) if pl else None,
+            ".0f", higher=False)
+        if load.streams > 1:
+            add(f"{name}: TTFT p99 (ms)", 1000 * load.pct("ttft_s", 99),
+                1000 * pl.pct("ttft_s", 99) if pl else None, ".0f", higher=False)
+        add(f"{name}: latency p50 (s)", load.pct("latency_s", 50), pl.pct("latency_s", 50) if pl else None, ".2f",
+            higher=False)
+        add(f"{name}: latency p99 (s)", load.pct("latency_s", 99), pl.pct("latency_s", 99) if pl else None, ".2f",
+            higher=False)
+    for metric, a, b, r, target in extra_rows:
+        rows.append(f"| {metric} | {a} | {b} | {r} | {target} |")
+    return rows
+
+
+def machine_line(args: argparse.Namespace) -> str:
+    cpu = ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import os
+
+    import torch
+
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    gpu = f", GPU {gpu_name()}" if args.device != "cpu" else ""
+    return (f"{os.cpu_count()} CPU cores ({cpu}), {mem:.0f} GiB RAM{gpu}; Python {platform.python_version()}, "
+            f"torch {torch.__version__}")
+
+
+def llamacpp_version(py: Path) -> str:
+    try:
+        return subprocess.run([str(py), "-c", "import llama_cpp; print(llama_cpp.__version__)"], capture_output=True,
+                              text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.harness", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer requests per scenario")
+    ap.add_argument("--ours-only", action="store_true", help="skip the llama.cpp peer")
+    ap.add_argument("--first-slice", action="store_true",
+                    help="first-slice report: ours only; 1 stream decode, aggregate at 1/4/16 streams, RSS")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: ours only, 1/16/64 streams, roofline")
+    ap.add_argument("--peak-bw-gbs", type=float, default=None,
+                    help="GPU peak memory bandwidth in GB/s (default: by GPU name, e.g. H200 = 4800)")
+    ap.add_argument("--engine-dir", type=Path, default=DEFAULT_ENGINE)
+    ap.add_argument("--gguf", type=Path, default=None, help="default: the cached GGUF of the default model")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--peer-threads", type=int, default=1, help="llama-cpp-python server --n_threads")
+    ap.add_argument("--ours-dtype", default="auto",
+                    help="--dtype for our server and the in-process run (auto: each picks by itself, as served)")
+    ap.add_argument("--ours-args", default="", help="extra flags for `trtserver serve` (space-separated)")
+    ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip py-spy on our server")
+    ap.add_argument("--profile-seconds", type=int, default=20)
+    ap.add_argument("--no-inproc", dest="inproc", action="store_false", help="skip the in-process measurements")
+    ap.add_argument("--start-timeout", type=float, default=180.0)
+    ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--max-minutes", type=float, default=45.0, help="skip what is left after this long")
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--no-append", dest="append", action="store_false", help="print only; leave RESULTS.md alone")
+    args = ap.parse_args(argv)
+    gpu = args.device != "cpu"
+    ours_only = args.ours_only or args.first_slice or gpu
+    t_start = time.monotonic()
+    deadline = t_start + 60 * args.max_minutes
+    engine_dir = args.engine_dir.resolve()
+    if not (engine_dir / "config.json").exists():
+        print(f"[bench] {engine_dir}: no engine; run `make engines` first", file=sys.stderr)
+        return 2
+
+    llama_py: Path | None = None
+    gguf: Path | None = None
+    if not ours_only or (args.inproc and not gpu and not args.first_slice):
+        llama_py = peers.ensure_llamacpp_venv()
+        gguf = (args.gguf or peers.find_gguf()).resolve()
+        print(f"[bench] peer: llama-cpp-python {llamacpp_version(llama_py)} on {gguf}", flush=True)
+
+    ours_extra = args.ours_args.split()
+    if args.ours_dtype != "auto":
+        ours_extra += ["--dtype", args.ours_dtype]
+    if gpu:
+        ours_extra += ["--max-batch-size", "64"]
+    ours = ServerRun("ours")
+    server = peers.ours(engine_dir, peers.free_port(), device=args.device, extra=ours_extra)
+    run_server(server, ours, args, True, deadline)
+    dtype = args.ours_dtype
+    ours.notes.append(f"ours: `{' '.join(server.cmd)}` (dtype {dtype})")
+
+    peer: ServerRun | None = None
+    if not ours_only and llama_py is not None and gguf is not None:
+        peer = ServerRun("llamacpp")
+        pserver = peers.llamacpp(llama_py, gguf, peers.free_port(), n_threads=args.peer_threads)
+        try:
+            run_server(pserver, peer, args, False, deadline)
+            peer.notes.append(f"peer: `{' '.join(pserver.cmd)}`")
+        except (RuntimeError, TimeoutError) as exc:
+            peer.notes.append(f"peer failed: {exc}")
+            print(f"[bench] {exc}\n{pserver.log_text()[-2000:]}", flush=True)
+
+    extra_rows: list[tuple[str, str, str, str, str]] = []
+    notes = ours.notes + (peer.notes if peer else [])
+    inproc_results: dict[str, dict[str, Any]] = {}
+    if args.inproc and time.monotonic() < deadline:
+        repeat = ["--repeat", "1" if args.quick else "3", "--tokens", str(args.tokens)]
+        inproc_results["torch"] = inproc(Path(sys.executable), "torch",
+                                         ["--engine-dir", str(engine_dir), "--dtype", dtype, "--device", args.device,
+                                          *repeat], 900)
+        if llama_py is not None and gguf is not None:
+            for t in (1, 2):
+                inproc_results[f"llamacpp{t}"] = inproc(llama_py, "llamacpp",
+                                                        ["--gguf", str(gguf), "--threads", str(t), *repeat], 900)
+
+    single = ours.loads.get("1 stream, short prompt") or ours.loads.get("1 stream")
+    tin = inproc_results.get("torch", {})
+    if single is not None and "tpot_ms" in tin:
+        gaps = [r.inter_chunk_s for r in single.ok]
+        http_ms = 1000 * statistics.median(gaps) if gaps else float("nan")
+        over = http_ms - tin["tpot_ms"]
+        extra_rows.append(("ours: time per token, in-process engine.generate (ms)", fmt(tin["tpot_ms"], ".2f"), "-",
+                           "-", ""))
+        extra_rows.append(("ours: time per token, streamed over HTTP (ms)", fmt(http_ms, ".2f"), "-", "-", ""))
+        extra_rows.append(("ours: server overhead per streamed token", f"{fmt(over, '.2f')} ms = "
+                           f"{fmt(100 * over / tin['tpot_ms'], '.1f')} %", "-", "-", "< 2 % of a decode step"))
+    llama_best = max((v.get("decode_tps", 0.0) for k, v in inproc_results.items() if k.startswith("llamacpp")),
+                     default=0.0)
+    for key, v in inproc_results.items():
+        if "decode_tps" not in v:
+            notes.append(f"in-process {key} failed: {v.get('error', '')[:200]}")
+            continue
+        label = ("ours in-process (TorchEngine, " + str(v.get("dtype")) + ")" if key == "torch"
+                 else f"llama.cpp in-process (Llama, n_threads {v.get('threads')})")
+        extra_rows.append((f"{label}: decode tokens/s, batch 1", fmt(v["decode_tps"]), "-", "-", ""))
+    if single is not None and llama_best:
+        extra_rows.append(("stretch: ours 1 stream over HTTP / best llama.cpp in-process", fmt(single.per_stream_tps),
+                           fmt(llama_best), f"{fmt(single.per_stream_tps / llama_best, '.2f')}×", "≥ 1.0×"))
+
+    if gpu and single is not None:
+        params = weight_params(engine_dir)
+        serve_dtype = dtype if dtype in _ITEMSIZE else "bfloat16"  # auto on CUDA serves bfloat16
+        weight_bytes = params * _ITEMSIZE[serve_dtype]
+        name = gpu_name()
+        peak = args.peak_bw_gbs or default_peak_bw(name)
+        achieved = weight_bytes * single.per_stream_tps / 1e9
+        frac = f"{100 * achieved / peak:.2f} % of {peak:.0f} GB/s" if peak else "n/a (pass --peak-bw-gbs)"
+        extra_rows.append((f"batch-1 HBM roofline ({name or 'GPU'}): {params / 1e6:.1f} M params × "
+                           f"{_ITEMSIZE[serve_dtype]} B ({serve_dtype}) per token", f"{achieved:.1f} GB/s", "-",
+                           "-", frac))
+
+    kind = "first slice" if args.first_slice else ("GPU" if gpu else ("ours only" if ours_only else "vs llama.cpp"))
+    cmd = "python -m bench.harness " + " ".join(argv if argv is not None else sys.argv[1:])
+    stamp = dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    lines = [f"## {stamp}: {kind}{' (quick)' if args.quick else ''}", "",
+             f"- command: `{cmd.strip()}`", f"- machine: {machine_line(args)}",
+             f"- model: {engine_dir.name}; {args.tokens} tokens per request, temperature 0; "
+             f"took {(time.monotonic() - t_start) / 60:.1f} min"]
+    if llama_py is not None:
+        lines.append(f"- peer: llama-cpp-python {llamacpp_version(llama_py)}, GGUF `{gguf.name if gguf else '?'}`, "
+                     f"--n_threads {args.peer_threads}")
+    lines.append("")
+    lines += build_table(ours, peer, extra_rows)
+    lines.append("")
+    lines += [f"- {n}" for n in notes]
+    counted = {f"{r.name}: {ld.counted_by}" for r in (ours, peer) if r for ld in r.loads.values()}
+    lines.append(f"- token counting: {', '.join(sorted(counted))} (usage = stream_options.include_usage; "
+                 "chunks = one SSE chunk per token)")
+    lines.append("- ratio column: ours/peer; ↑ = higher is better, ↓ = lower is better. p99 over few samples is "
+                 "the maximum.")
+    if ours.profile:
+        lines += ["", "py-spy of our server during an extra (unmeasured) 16-stream round:", "", "```",
+                  ours.profile, "```"]
+    report = "\n".join(lines) + "\n"
+    print("\n" + report, flush=True)
+    if args.append:
+        if not args.results.exists():
+            args.results.write_text("# Benchmark results\n\nAppended by `python -m bench.harness`; newest last.\n\n")
+        with args.results.open("a") as f:
+            f.write(report + "\n")
+        print(f"[bench] appended to {args.results}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
