@@ -11,9 +11,6 @@ from trtserver_fingerprint import compute_fingerprint, fingerprint_facts, trtser
 from trtserver.engine.base import EngineInfo
 from trtserver.server import STATE
 
-# trtserver's pytest config runs async fixtures on the session loop; the test must share it
-pytestmark = pytest.mark.asyncio(loop_scope="session")
-
 MANIFEST = {"served_model_name": "m", "weights_sha256": "ab" * 32, "dtype": "bfloat16", "format": "safetensors",
             "format_version": 1}
 
@@ -63,6 +60,8 @@ def test_tensorrt_llm_is_never_imported() -> None:
     assert "tensorrt_llm" not in sys.modules
 
 
+# trtserver's pytest config runs async fixtures on the session loop; the test must share it
+@pytest.mark.asyncio(loop_scope="session")
 async def test_in_every_response_and_chunk(trtserver_client_factory) -> None:  # type: ignore[no-untyped-def]
     client = await trtserver_client_factory(plugins=[trtserver_fingerprint], plugin_allowlist=[],
                                            max_batch_size=4, max_model_len=512)
