@@ -1,0 +1,90 @@
+"""What each guided-decoding backend implements, and the shared compile cache in front of it."""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from trtserver.errors import InvalidRequest
+from trtserver_guided.cache import CompileCache
+from trtserver_guided.vocab import Vocab, vocab_for
+
+if TYPE_CHECKING:
+    from trtserver.engine.base import GuidedDecoder
+    from trtserver.guided import GuideContext, GuideSpec
+
+INSTALL_HINT = "pip install 'trtserver-guided[{extra}]'"
+
+
+def strip_anchors(regex: str) -> str:
+    """Drop one leading ``^`` / ``\\A`` and one trailing unescaped ``$`` / ``\\z`` (the guide always
+    matches the whole output) for libraries whose regex dialect has no anchors."""
+    for prefix in ("\\A", "^"):
+        if regex.startswith(prefix):
+            regex = regex[len(prefix):]
+            break
+    for suffix in ("\\z", "\\Z", "$"):
+        if regex.endswith(suffix) and not regex.endswith("\\" + suffix):
+            regex = regex[: -len(suffix)]
+            break
+    return regex
+
+
+class Backend:
+    """One per backend name. ``compile`` is called through the cache; subclasses implement
+    ``_load`` (import the library, build the per-tokenizer data) and ``_compile``."""
+
+    name: ClassVar[str]
+    extra: ClassVar[str]
+    module: ClassVar[str]  # the library's import name, for the not-installed check
+    kinds: ClassVar[frozenset[str]] = frozenset({"json", "json_object", "regex", "choice", "grammar"})
+
+    def __init__(self) -> None:
+        self.cache: CompileCache[GuidedDecoder] = CompileCache()
+        self._lock = threading.Lock()
+        self._per_vocab: dict[int, tuple[Vocab, Any, np.ndarray, np.ndarray]] = {}
+
+    def library(self) -> Any:
+        try:
+            return importlib.import_module(self.module)
+        except ImportError as exc:
+            raise InvalidRequest(
+                f"guided decoding backend {self.name!r} is not installed ({exc}); "
+                f"install it with: {INSTALL_HINT.format(extra=self.extra)}") from exc
+
+    def check(self, spec: GuideSpec) -> None:
+        """Refuse (400) what this backend cannot do, before compiling."""
+        if spec.kind not in self.kinds:
+            raise InvalidRequest(
+                f"guided decoding backend {self.name!r} does not support {spec.kind!r} guides; "
+                f"use backend 'xgrammar' or 'llguidance'")
+
+    def tokenizer_data(self, context: GuideContext) -> tuple[Vocab, Any, np.ndarray, np.ndarray]:
+        """(vocab, backend-specific tokenizer data, stop words, alphabet-without-stop words)."""
+        vocab = vocab_for(context)
+        key = id(vocab)
+        with self._lock:
+            hit = self._per_vocab.get(key)
+            if hit is None or hit[0] is not vocab:
+                hit = (vocab, self._load(vocab), vocab.stop_mask(), vocab.allowed_alphabet_mask())
+                self._per_vocab[key] = hit
+            return hit
+
+    def decoder(self, spec: GuideSpec, context: GuideContext) -> GuidedDecoder:
+        self.check(spec)
+        self.library()
+        data = self.tokenizer_data(context)
+        key = (self.name, id(data[0]), spec.cache_key)
+        timeout = float(context.compile_timeout_s)
+        return self.cache.get(key, lambda: self._compile(spec, data, timeout), timeout)
+
+    # --- subclasses ---------------------------------------------------------------------------
+    def _load(self, vocab: Vocab) -> Any:
+        raise NotImplementedError
+
+    def _compile(self, spec: GuideSpec, data: tuple[Vocab, Any, np.ndarray, np.ndarray],
+                 timeout: float) -> GuidedDecoder:
+        raise NotImplementedError

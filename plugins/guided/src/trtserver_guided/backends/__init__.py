@@ -1,0 +1,1 @@
+"""One module per guided-decoding library; each imports its library lazily."""

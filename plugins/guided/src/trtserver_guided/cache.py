@@ -1,0 +1,74 @@
+"""A thread-safe LRU of compiled guides with per-key de-duplication and a compile deadline.
+
+Compiles run on a small pool of worker threads. A caller waits at most ``timeout`` seconds and
+then gets ``InvalidRequest("guide compilation exceeded N s")``; the compile itself keeps running
+(a thread cannot be killed) and its result still lands in the cache, so a client that retries
+the same spec does not start a second compile. The outlines backend, whose compiles can run away
+in time and memory, additionally runs each compile in a killable subprocess (see
+``backends/outlines.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Generic, TypeVar
+
+from trtserver.errors import InvalidRequest
+
+T = TypeVar("T")
+
+
+class CompileCache(Generic[T]):
+    def __init__(self, max_entries: int = 128, max_workers: int = 4) -> None:
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._done: OrderedDict[Hashable, T] = OrderedDict()
+        self._pending: dict[Hashable, Future[T]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="guide-compile")
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._done)
+
+    def __contains__(self, key: Hashable) -> bool:
+        with self._lock:
+            return key in self._done
+
+    def get(self, key: Hashable, compile_fn: Callable[[], T], timeout: float) -> T:
+        with self._lock:
+            if key in self._done:
+                self._done.move_to_end(key)
+                self.hits += 1
+                return self._done[key]
+            future = self._pending.get(key)
+            fresh = future is None
+            if future is None:
+                self.misses += 1
+                future = self._pool.submit(compile_fn)
+                self._pending[key] = future
+        if fresh:  # outside the lock: a future that is already done runs the callback right here
+            future.add_done_callback(lambda f, k=key: self._finish(k, f))
+        try:
+            return future.result(timeout=timeout)
+        except FutureTimeout:
+            raise InvalidRequest(f"guide compilation exceeded {timeout:g} s") from None
+
+    def _finish(self, key: Hashable, future: Future[T]) -> None:
+        with self._lock:
+            self._pending.pop(key, None)
+            if future.cancelled() or future.exception() is not None:
+                return  # errors are not cached: they are cheap to reproduce and may be transient
+            self._done[key] = future.result()
+            self._done.move_to_end(key)
+            while len(self._done) > self.max_entries:
+                self._done.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._done.clear()
