@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+import datetime as dt
+import json
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trtserver_prompt_log
+from aiohttp.test_utils import TestClient, TestServer
+from trtserver_prompt_log import delete_expired, retention_days
+
+from trtserver.config import ServerConfig
+from trtserver.plugins import load_plugins, new_plugin_manager
+from trtserver.server import create_app
+from trtserver.testing import default_engine_dir, wait_ready
+
+SETTINGS = {"engine": "torch", "max_batch_size": 4, "max_model_len": 512}
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("prompts")
+    (directory / "prompts-2001-01-01.jsonl").write_text("{}\n")  # long expired: deleted at start-up
+    (directory / "notes.txt").write_text("not ours")
+    return directory
+
+
+@pytest.fixture(scope="module")
+async def client(log_dir: Path) -> AsyncIterator[TestClient[Any, Any]]:
+    config = ServerConfig(engine_dir=str(default_engine_dir()), prompt_log_dir=str(log_dir), **SETTINGS)
+    pm = new_plugin_manager()
+    load_plugins(pm, allowlist=[])
+    pm.register(trtserver_prompt_log, name="prompt_log")
+    test_client = TestClient(TestServer(create_app(config, pm)))
+    await test_client.start_server()
+    await wait_ready(test_client.app)
+    yield test_client
+    await test_client.close()
+
+
+def records(log_dir: Path) -> list[dict[str, Any]]:
+    paths = sorted(log_dir.glob("prompts-*.jsonl"))
+    return [json.loads(line) for path in paths for line in path.read_text().splitlines()]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_stored_only_when_asked(client: TestClient[Any, Any], log_dir: Path) -> None:
+    assert not (log_dir / "prompts-2001-01-01.jsonl").exists() and (log_dir / "notes.txt").exists()
+    response = await client.post("/v1/completions", json={"prompt": "secret one", "max_tokens": 2})
+    assert response.status == 200
+    assert records(log_dir) == []
+    response = await client.post("/v1/completions", json={"prompt": "keep me", "max_tokens": 2, "log_prompt": True,
+                                                           "user": "u-1"}, headers={"X-Request-Id": "rid-7"})
+    assert response.status == 200
+    (record,) = records(log_dir)
+    assert record["prompt"] == "keep me" and record["user"] == "u-1" and record["request_id"] == "rid-7"
+    assert set(record) == {"time", "request_id", "model", "prompt", "user"}
+    today = dt.datetime.now(dt.timezone.utc).date()
+    assert dt.datetime.fromisoformat(record["time"]).date() == today
+    assert (log_dir / f"prompts-{today:%Y-%m-%d}.jsonl").exists()
+    assert "secret one" not in "".join(p.read_text() for p in log_dir.iterdir())
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_write_is_off_the_event_loop(monkeypatch: pytest.MonkeyPatch, log_dir: Path) -> None:
+    threads: list[str] = []
+    original = trtserver_prompt_log.append_record
+    monkeypatch.setattr(trtserver_prompt_log, "append_record",
+                        lambda *a: (threads.append(threading.current_thread().name), original(*a)))
+
+    class Request:
+        log_prompt, model, prompt = True, None, [1, 2, 3]
+
+    class Context:
+        request_id, user, config = "r", None, ServerConfig(engine_dir=".", prompt_log_dir=str(log_dir))
+
+    awaitable = trtserver_prompt_log.trtserver_request_received(Request(), Context())  # type: ignore[arg-type]
+    assert awaitable is not None and not threads
+    await awaitable
+    assert threads and threads[0] != threading.current_thread().name
+    assert records(log_dir)[-1]["prompt"] == [1, 2, 3]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_400_when_not_configured(trtserver_client_factory) -> None:  # type: ignore[no-untyped-def]
+    client = await trtserver_client_factory(plugins=[trtserver_prompt_log], plugin_allowlist=[], **SETTINGS)
+    response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "log_prompt": True})
+    assert response.status == 400
+    error = (await response.json())["error"]
+    assert error["message"] == "prompt logging is not enabled on this server" and error["param"] == "log_prompt"
+    response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert response.status == 200
+
+
+def test_retention(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    today = dt.date(2025, 3, 31)
+    for day in ("2025-03-31", "2025-03-01", "2025-02-28", "2024-12-01"):
+        (tmp_path / f"prompts-{day}.jsonl").write_text("{}\n")
+    (tmp_path / "prompts-latest.jsonl").write_text("{}\n")
+    deleted = delete_expired(tmp_path, 30, today)
+    assert sorted(p.name for p in deleted) == ["prompts-2024-12-01.jsonl", "prompts-2025-02-28.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts-2025-03-01.jsonl", "prompts-2025-03-31.jsonl",
+                                                         "prompts-latest.jsonl"]
+    monkeypatch.delenv("TRTSERVER_PROMPT_LOG_RETENTION_DAYS", raising=False)
+    assert retention_days() == 30
+    monkeypatch.setenv("TRTSERVER_PROMPT_LOG_RETENTION_DAYS", "7")
+    assert retention_days() == 7
