@@ -1,0 +1,95 @@
+"""Banned words: a small, complete trtserver plugin to copy.
+
+Set ``TRTSERVER_BANNED_WORDS=word1,word2`` (read on every request). Then:
+
+* ``trtserver_request_received``: a prompt containing a banned word (any case, whole word) is
+  rejected with a 400 naming ``prompt``;
+* ``trtserver_logits_processors``: the model can never generate a banned word in its common
+  spellings (``word``, `` word``, ``Word``, `` Word``): every token sequence that spells one is
+  blocked by setting the logit of its last token to ``-inf`` when the tokens before it were just
+  generated (single-token words are blocked always).
+
+With no words configured the plugin does nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import tokenizers
+
+from trtserver import hookimpl
+from trtserver.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from trtserver.protocol import CompletionRequest
+    from trtserver.request_context import RequestContext
+
+__version__ = "0.1.0"
+
+ENV = "TRTSERVER_BANNED_WORDS"
+
+
+def banned_words() -> tuple[str, ...]:
+    return tuple(w.strip() for w in os.environ.get(ENV, "").split(",") if w.strip())
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer(engine_dir: str) -> tokenizers.Tokenizer:
+    # the hook is not handed the served tokenizer, so load the engine directory's own copy
+    return tokenizers.Tokenizer.from_file(str(Path(engine_dir) / "tokenizer.json"))
+
+
+@functools.lru_cache(maxsize=64)
+def banned_sequences(engine_dir: str, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    tokenizer = _tokenizer(engine_dir)
+    spellings = {s for w in words for s in (w, " " + w, w.capitalize(), " " + w.capitalize())}
+    return tuple(sorted({tuple(tokenizer.encode(s, add_special_tokens=False).ids) for s in spellings}))
+
+
+class BanSequences:
+    """A ``LogitsProcessor``: forbids the token that would complete any banned sequence."""
+
+    def __init__(self, sequences: tuple[tuple[int, ...], ...]) -> None:
+        self.sequences = sequences
+
+    def __call__(self, output_token_ids: Sequence[int], logits: Any) -> None:
+        for sequence in self.sequences:
+            *prefix, last = sequence
+            if not prefix or list(output_token_ids[-len(prefix):]) == prefix:
+                logits[last] = float("-inf")
+
+
+def _prompt_texts(prompt: object) -> list[str]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list):
+        return [p for p in prompt if isinstance(p, str)]
+    return []  # token ids: nothing to read
+
+
+@hookimpl
+def trtserver_request_received(request: CompletionRequest, context: RequestContext) -> None:
+    words = banned_words()
+    if not words:
+        return
+    pattern = re.compile(r"\b(" + "|".join(re.escape(w) for w in words) + r")\b", re.IGNORECASE)
+    for text in _prompt_texts(request.prompt):
+        found = pattern.search(text)
+        if found is not None:
+            raise InvalidRequest(f"the prompt contains a banned word: {found.group(0)!r}", param="prompt")
+
+
+@hookimpl
+def trtserver_logits_processors(request: CompletionRequest,
+                                context: RequestContext) -> list[Callable[[], BanSequences]] | None:
+    words = banned_words()
+    if not words:
+        return None
+    sequences = banned_sequences(context.config.engine_dir, words)
+    return [lambda: BanSequences(sequences)]
