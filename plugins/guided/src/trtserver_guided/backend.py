@@ -7,8 +7,8 @@ import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
-
 from trtserver.errors import InvalidRequest
+
 from trtserver_guided.cache import CompileCache
 from trtserver_guided.vocab import Vocab, vocab_for
 

@@ -18,6 +18,7 @@ from trtserver.hookspecs import hookimpl
 if TYPE_CHECKING:
     from trtserver.engine.base import GuidedDecoder
     from trtserver.guided import GuideContext, GuideSpec
+
     from trtserver_guided.backend import Backend
 
 ALIASES = {

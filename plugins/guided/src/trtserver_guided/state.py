@@ -21,8 +21,17 @@ if TYPE_CHECKING:
 
 
 class MaskState:
-    __slots__ = ("_buf", "_tbuf", "_valid", "_stopped", "_failed", "_vocab", "_stop_words", "_stop_ids",
-                 "_not_stop")
+    __slots__ = (
+        "_buf",
+        "_failed",
+        "_not_stop",
+        "_stop_ids",
+        "_stop_words",
+        "_stopped",
+        "_tbuf",
+        "_valid",
+        "_vocab",
+    )
 
     def __init__(self, vocab: Vocab, stop_words: np.ndarray, not_stop: np.ndarray) -> None:
         import torch

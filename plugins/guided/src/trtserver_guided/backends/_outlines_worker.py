@@ -2,7 +2,7 @@
 
 Run as ``python -I _outlines_worker.py``; reads a pickled request on stdin, writes
 ``pickle.dumps(("ok", index))`` or ``("error", message)`` on stdout. The memory limit is applied
-before outlines_core is imported, so a regex whose DFA explodes fails here (MemoryError or an
+once outlines_core is imported, so a regex whose DFA explodes fails here (MemoryError or an
 aborted allocation) instead of taking the server down. Imports nothing from trtserver.
 """
 
@@ -14,15 +14,15 @@ import sys
 
 
 def main() -> int:
-    request = pickle.loads(sys.stdin.buffer.read())
-    limit = int(request["max_bytes"])
-    if limit > 0:
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    out = sys.stdout.buffer
-    try:
-        import outlines_core as oc
-        from outlines_core.json_schema import build_regex_from_schema
+    import outlines_core as oc
+    from outlines_core.json_schema import build_regex_from_schema
 
+    request = pickle.loads(sys.stdin.buffer.read())
+    out = sys.stdout.buffer
+    limit = int(request["max_bytes"])
+    if limit > 0:  # after the imports: the limit bounds the compile, not the interpreter
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    try:
         kind, value, ws = request["kind"], request["value"], request["whitespace_pattern"]
         if kind in ("json", "json_object"):
             regex = build_regex_from_schema(value, ws) if ws is not None else build_regex_from_schema(value)
@@ -33,7 +33,7 @@ def main() -> int:
         payload = pickle.dumps(("ok", index))
     except MemoryError:
         payload = pickle.dumps(("memory", "out of memory"))
-    except Exception as exc:  # the library's regex / schema errors
+    except Exception as exc:  # noqa: BLE001 - the library's regex / schema errors
         payload = pickle.dumps(("error", f"{type(exc).__name__}: {exc}"))
     out.write(payload)
     out.flush()

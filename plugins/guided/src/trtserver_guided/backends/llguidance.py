@@ -13,19 +13,20 @@ import json
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
 from trtserver.errors import InvalidRequest
+
 from trtserver_guided.backend import Backend
 from trtserver_guided.state import MaskState
 
 if TYPE_CHECKING:
     from trtserver.engine.base import TokenConstraint
     from trtserver.guided import GuideSpec
+
     from trtserver_guided.vocab import Vocab
 
 
 class LLGuidanceState(MaskState):
-    __slots__ = ("_m", "_ptr", "_nbytes")
+    __slots__ = ("_m", "_nbytes", "_ptr")
 
     def __init__(self, matcher: Any, vocab: Vocab, stop_words: np.ndarray, not_stop: np.ndarray) -> None:
         super().__init__(vocab, stop_words, not_stop)

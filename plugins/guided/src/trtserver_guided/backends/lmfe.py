@@ -15,8 +15,8 @@ import json
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
 from trtserver.errors import InvalidRequest
+
 from trtserver_guided.backend import Backend, strip_anchors
 from trtserver_guided.state import MaskState
 from trtserver_guided.vocab import ids_to_words
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from trtserver.engine.base import TokenConstraint
     from trtserver.guided import GuideSpec
+
     from trtserver_guided.vocab import Vocab
 
 

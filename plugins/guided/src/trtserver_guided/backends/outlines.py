@@ -30,14 +30,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
 from trtserver.errors import InvalidRequest
+
 from trtserver_guided.backend import Backend, strip_anchors
 from trtserver_guided.state import MaskState
 
 if TYPE_CHECKING:
     from trtserver.engine.base import TokenConstraint
     from trtserver.guided import GuideSpec
+
     from trtserver_guided.vocab import Vocab
 
 WORKER = Path(__file__).with_name("_outlines_worker.py")
@@ -46,7 +47,7 @@ _SLOTS = threading.BoundedSemaphore(int(os.environ.get("TRTSERVER_GUIDED_OUTLINE
 
 
 class OutlinesState(MaskState):
-    __slots__ = ("_g", "_ptr", "_n")
+    __slots__ = ("_g", "_n", "_ptr")
 
     def __init__(self, guide: Any, vocab: Vocab, stop_words: np.ndarray, not_stop: np.ndarray) -> None:
         super().__init__(vocab, stop_words, not_stop)

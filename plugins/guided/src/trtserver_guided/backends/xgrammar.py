@@ -13,14 +13,15 @@ import json
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
 from trtserver.errors import InvalidRequest
+
 from trtserver_guided.backend import Backend
 from trtserver_guided.state import MaskState
 
 if TYPE_CHECKING:
     from trtserver.engine.base import TokenConstraint
     from trtserver.guided import GuideSpec
+
     from trtserver_guided.vocab import Vocab
 
 
