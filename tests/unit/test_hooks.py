@@ -44,6 +44,7 @@ class HookPlugin:
         self.engine_factory_calls: list[str] = []
         self.fingerprint_calls = 0
         self.quota_calls = 0
+        self.quota_store: Any = None
         self.ready: list[tuple[bool, Any]] = []
         self.guided_backends: list[str] = []
         self.received_async: list[str] = []
@@ -71,8 +72,14 @@ class HookPlugin:
         return f"fp_hooktest_{engine_info.backend}"
 
     @hookimpl
-    def trtserver_quota_store(self, config: ServerConfig) -> None:
+    def trtserver_quota_store(self, config: ServerConfig) -> Any:
         self.quota_calls += 1
+        try:  # the built-in in-memory store, as our own answer (firstresult: ours wins over trylast)
+            from trtserver.quota import MemoryQuotaStore
+        except ImportError:
+            return None
+        self.quota_store = MemoryQuotaStore()
+        return self.quota_store
 
     @hookimpl
     def trtserver_request_received(self, request: Any, context: Any) -> Any:
@@ -171,11 +178,15 @@ async def test_hook_trtserver_system_fingerprint(client: TestClient[Any, Any], p
 
 
 async def test_hook_trtserver_quota_store(client: TestClient[Any, Any], plugin: HookPlugin) -> None:
-    # declared and documented (test_hooks_meta); no core consumer calls it yet (no trtserver.quota):
-    # an implementation registers cleanly and the app serves. When quotas are wired, assert == 1.
     pm = client.app[STATE].pm
     assert pm.hook.trtserver_quota_store.spec.opts["firstresult"]
-    assert plugin.quota_calls in (0, 1)
+    service = client.app[STATE].service
+    if not hasattr(service, "quota_store"):
+        pytest.skip("no core consumer of trtserver_quota_store yet")
+    assert plugin.quota_calls == 1  # asked once, at start-up
+    status, _ = await post(client)
+    assert status == 200 and plugin.quota_calls == 1  # never per request
+    assert service.quota_store is plugin.quota_store
 
 
 async def test_hook_trtserver_request_received(client: TestClient[Any, Any], plugin: HookPlugin) -> None:
