@@ -19,6 +19,8 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import math
+import os
 import platform
 import re
 import shutil
@@ -63,6 +65,7 @@ class ServerRun:
     rss_peak: int = 0
     rss_idle: int = 0
     loads: dict[str, LoadResult] = field(default_factory=dict)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # the server's CPU seconds per scenario
     notes: list[str] = field(default_factory=list)
     profile: str = ""
 
@@ -198,10 +201,12 @@ async def drive(server: peers.Server, run: ServerRun, args: argparse.Namespace, 
         if time.monotonic() > deadline:
             run.notes.append(f"{server.name}: skipped '{sc.name}' (past --max-minutes)")
             continue
+        cpu0 = server.cpu_seconds()
         with RssSampler(server):
             load = await run_load(server.base_url, model, sc.prompt, args.tokens, sc.streams, sc.per_stream,
                                   extra=extra, timeout_s=args.request_timeout)
         run.loads[sc.name] = load
+        run.cpu_s[sc.name] = server.cpu_seconds() - cpu0
         short = [r.tokens for r in load.ok if r.tokens != args.tokens]
         if load.failures or short:
             errors = {r.error for r in load.results if not r.ok}
@@ -274,7 +279,7 @@ def weight_params(engine_dir: Path) -> int:
             header = json.loads(fh.read(n))
         for name, meta in header.items():
             if name != "__metadata__":
-                total += int(__import__("math").prod(meta["shape"]))
+                total += int(math.prod(meta["shape"]))
     return total
 
 
@@ -326,6 +331,10 @@ def build_table(ours: ServerRun, peer: ServerRun | None, extra_rows: list[tuple[
         add(f"{name}: aggregate tokens/s", load.agg_tps, pl.agg_tps if pl else None, ".1f", target)
         add(f"{name}: per-stream decode tokens/s", load.per_stream_tps, pl.per_stream_tps if pl else None, ".1f",
             "≥ 1.0× peer" if name.startswith("1 stream") else "")
+        cpu = ours.cpu_s.get(name, 0.0)
+        pcpu = p.cpu_s.get(name, 0.0) if p else 0.0
+        add(f"{name}: tokens per server CPU-second", load.tokens / cpu if cpu else float("nan"),
+            (pl.tokens / pcpu if pcpu else float("nan")) if pl else None, ".1f")
         add(f"{name}: TTFT p50 (ms)", 1000 * load.pct("ttft_s", 50), 1000 * pl.pct("ttft_s", 50) if pl else None,
             ".0f", higher=False)
         if load.streams > 1:
@@ -347,8 +356,6 @@ def machine_line(args: argparse.Namespace) -> str:
                    if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    import os
-
     import torch
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -394,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = args.device != "cpu"
     ours_only = args.ours_only or args.first_slice or gpu
     t_start = time.monotonic()
+    load_before = os.getloadavg()
     deadline = t_start + 60 * args.max_minutes
     engine_dir = args.engine_dir.resolve()
     if not (engine_dir / "config.json").exists():
@@ -484,7 +492,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"## {stamp}: {kind}{' (quick)' if args.quick else ''}", "",
              f"- command: `{cmd.strip()}`", f"- machine: {machine_line(args)}",
              f"- model: {engine_dir.name}; {args.tokens} tokens per request, temperature 0; "
-             f"took {(time.monotonic() - t_start) / 60:.1f} min"]
+             f"took {(time.monotonic() - t_start) / 60:.1f} min",
+             "- noise: load average (1/5/15 min) at start {:.1f}/{:.1f}/{:.1f}, at end {:.1f}/{:.1f}/{:.1f} "
+             "on {} cores (other processes share this machine; the CPU-second rows are less sensitive to that)".format(
+                 *load_before, *os.getloadavg(), os.cpu_count())]
     if llama_py is not None:
         lines.append(f"- peer: llama-cpp-python {llamacpp_version(llama_py)}, GGUF `{gguf.name if gguf else '?'}`, "
                      f"--n_threads {args.peer_threads}")

@@ -94,6 +94,19 @@ def rss_bytes(pid: int) -> int:
     return total
 
 
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and its children still alive, in seconds (from /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for p in process_tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
 def http_ok(url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
@@ -145,6 +158,9 @@ class Server:
         rss = rss_bytes(self.proc.pid) if self.proc is not None else 0
         self.peak_rss = max(self.peak_rss, rss)
         return rss
+
+    def cpu_seconds(self) -> float:
+        return cpu_seconds(self.proc.pid) if self.proc is not None else 0.0
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
