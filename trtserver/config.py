@@ -53,6 +53,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_body_bytes: Annotated[int, Meta(ge=1024)] = 16 * 1024 * 1024
     max_prompt_tokens: Annotated[int, Meta(ge=1)] | None = None
     max_waiting: Annotated[int, Meta(ge=1)] = 1024
+    max_flex_waiting: Annotated[int, Meta(ge=0)] = 64
     request_timeout_s: Annotated[float, Meta(gt=0)] | None = None
     default_max_tokens: Annotated[int, Meta(ge=0)] = 16
     # plugins

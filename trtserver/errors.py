@@ -86,6 +86,12 @@ class Overloaded(APIError):
     code = "overloaded"
 
 
+class RequestTimeout(APIError):
+    status = 504
+    type = "timeout_error"
+    code = "request_timeout"
+
+
 class EngineError(APIError):
     status = 500
     type = "internal_error"

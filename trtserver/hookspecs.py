@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from trtserver.quota import QuotaStore
     from trtserver.request_context import RequestContext
     from trtserver.text import StopChecker
+    from trtserver.tokenizer import Tokenizer
 
 PROJECT = "trtserver"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -128,12 +129,13 @@ def trtserver_guided_decoder(spec: GuideSpec, backend: str, context: GuideContex
 
 @hookspec
 def trtserver_logits_processors(
-    request: CompletionRequest, context: RequestContext
+    request: CompletionRequest, context: RequestContext, tokenizer: Tokenizer
 ) -> list[Callable[[], LogitsProcessor]] | None:
     """Per-sequence logits processors for a request.
 
     :param request: the decoded request.
     :param context: the request context.
+    :param tokenizer: the served model's ``trtserver.tokenizer.Tokenizer`` (to turn words into ids).
     :returns: a list of zero-argument factories; each sequence calls every factory once and
         the engine calls the processor once per decode step with that sequence's generated
         token ids and its logits row (modify it in place). None or [] for no processors.

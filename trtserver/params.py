@@ -68,6 +68,9 @@ def check_limits(request: CompletionRequest, config: ServerConfig, info: EngineI
         raise Unsupported(f"this engine ({info.backend}) cannot return prompt logprobs (a TensorRT-LLM engine "
                           "needs gather_context_logits at build time)",
                           param="prompt_logprobs" if request.prompt_logprobs is not None else "echo")
+    if request.peft is not None and not caps.adapters:
+        raise Unsupported(f"LoRA adapters are not enabled on this server ({info.backend} engine); start it with "
+                          "--adapters-dir", param="peft")
     if request.priority != 0 and not caps.priority:
         raise Unsupported(f"this engine ({info.backend}) does not support priority", param="priority")
 
@@ -180,9 +183,10 @@ def sampling_params(request: CompletionRequest, max_tokens: int, info: EngineInf
     )
 
 
-def engine_priority(request: CompletionRequest, tier_priority: int | None) -> Priority:
-    if tier_priority is not None:
-        return Priority(tier_priority)
+def engine_priority(request: CompletionRequest, tier_priority: Priority) -> Priority:
+    """The service tier decides; within the normal tier, vLLM's ``priority`` (lower first) moves it."""
+    if tier_priority != Priority.NORMAL:
+        return tier_priority
     if request.priority < 0:
         return Priority.HIGH
     if request.priority > 0:

@@ -26,7 +26,7 @@ ENTRY_POINT_GROUP = "trtserver"
 ALLOWLIST_ENV = "TRTSERVER_LOAD_PLUGINS"
 
 # modules inside trtserver itself that implement hooks (the engines every server has)
-CORE_PLUGINS: tuple[str, ...] = ("trtserver.engine.registry",)
+CORE_PLUGINS: tuple[str, ...] = ("trtserver.engine.registry", "trtserver.quota")
 
 
 class PluginLoadError(RuntimeError):

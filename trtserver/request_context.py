@@ -28,4 +28,6 @@ class RequestContext:
     extra: dict[str, Any] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
     service_tier: str | None = None
-    priority: int = 1
+    project: str | None = None
+    # headers added to the HTTP response (rate-limit counters); plugins may add their own
+    response_headers: dict[str, str] = field(default_factory=dict)

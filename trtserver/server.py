@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import msgspec
 import pluggy
 import structlog
 from aiohttp import web
 from msgspec import UNSET
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from trtserver import errors
 from trtserver.config import ServerConfig
 from trtserver.engine.base import Engine
 from trtserver.engine.select import build_engine
+from trtserver.metrics import Metrics
+from trtserver.openapi import openapi_document
 from trtserver.plugins import allowlist_from_env, await_me_maybe, load_plugins, new_plugin_manager
 from trtserver.protocol import (
     REQUEST_FIELDS,
@@ -32,6 +37,7 @@ from trtserver.request_context import RequestContext
 from trtserver.serving import CompletionService, Prepared, new_request_id
 
 log = structlog.get_logger("trtserver.server")
+T = TypeVar("T")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -50,9 +56,11 @@ class ServerState:
     started_at: float = field(default_factory=time.time)
     in_flight: int = 0
     engine_task: asyncio.Task[None] | None = None
+    metrics: Metrics | None = None
 
 
 STATE = web.AppKey("trtserver_state", ServerState)
+REQUEST_ID = web.RequestKey("trtserver_request_id", str)
 
 
 def json_response(payload: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -68,12 +76,14 @@ def error_response(exc: errors.APIError) -> web.Response:
 async def error_middleware(request: web.Request,
                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     request_id = request.headers.get("X-Request-Id") or new_request_id()
-    request["request_id"] = request_id
+    request[REQUEST_ID] = request_id
     structlog.contextvars.bind_contextvars(request_id=request_id)
     try:
+        _authenticate(request)
         return await handler(request)
     except errors.APIError as exc:
         log.info("request_failed", status=exc.status, error=exc.message, param=exc.param)
+        _count_failure(request, exc.status)
         return error_response(exc)
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[STATE].config.max_body_bytes
@@ -91,9 +101,36 @@ async def error_middleware(request: web.Request,
         raise
     except Exception:
         log.exception("internal_error")
+        _count_failure(request, 500)
         return error_response(errors.EngineError("The server had an error while processing your request."))
     finally:
-        structlog.contextvars.unbind_contextvars("request_id")
+        structlog.contextvars.unbind_contextvars("request_id", "user")
+
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+def _authenticate(request: web.Request) -> None:
+    """With ``api_keys`` configured, every route but health and metrics needs one of them."""
+    config = request.app[STATE].config
+    keys = config.api_keys + config.no_limit_api_keys
+    if not keys or request.path in OPEN_PATHS:
+        return
+    auth = request.headers.get("Authorization", "")
+    given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    # compare against every key so the time taken does not reveal which prefix matched
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(given.encode(), key.encode())
+    if not matched:
+        raise errors.AuthenticationError("Incorrect or missing API key; send it as 'Authorization: Bearer <key>'",
+                                         headers={"WWW-Authenticate": "Bearer"})
+
+
+def _count_failure(request: web.Request, status: int) -> None:
+    metrics = request.app[STATE].metrics
+    if metrics is not None and request.path == "/v1/completions":
+        metrics.requests.labels(status=str(status), tier="none").inc()
 
 
 def _state(request: web.Request) -> ServerState:
@@ -146,7 +183,7 @@ def _context(request: web.Request, body: CompletionRequest, unknown: dict[str, o
              config: ServerConfig) -> RequestContext:
     auth = request.headers.get("Authorization", "")
     api_key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-    return RequestContext(request_id=request["request_id"], config=config, headers=request.headers,
+    return RequestContext(request_id=request[REQUEST_ID], config=config, headers=request.headers,
                           query=request.query, api_key=api_key, user=body.user, extra=unknown)
 
 
@@ -158,14 +195,46 @@ async def completions(request: web.Request) -> web.StreamResponse:
     structlog.contextvars.bind_contextvars(user=body.user)
     prepared = await service.prepare(body, context)
     state.in_flight += 1
+    if context.service_tier == "flex":
+        service.flex_in_flight += 1
     try:
         if body.stream:
-            return await _stream(request, service, prepared)
-        response = await service.complete(prepared)
-        await _response_ready(service, prepared, response)
-        return json_response(response)
+            result: web.StreamResponse = await _stream(request, service, prepared)
+        else:
+            response = await _with_timeout(service.complete(prepared), state.config.request_timeout_s)
+            await _response_ready(service, prepared, response)
+            result = json_response(response, headers=context.response_headers or None)
+        return result
     finally:
         state.in_flight -= 1
+        if context.service_tier == "flex":
+            service.flex_in_flight -= 1
+        await _account(state, service, prepared)
+
+
+async def _with_timeout(coro: Awaitable[T], timeout_s: float | None) -> T:
+    if timeout_s is None:
+        return await coro
+    try:
+        return await asyncio.wait_for(coro, timeout_s)
+    except TimeoutError as exc:
+        raise errors.RequestTimeout(f"the request took longer than {timeout_s} s") from exc
+
+
+async def _account(state: ServerState, service: CompletionService, prepared: Prepared) -> None:
+    """Once per finished (or abandoned) request: metrics and quota tokens."""
+    usage = prepared.usage
+    if usage is None:
+        return
+    now = time.monotonic()
+    if state.metrics is not None:
+        ttft = None if prepared.first_token_at is None else prepared.first_token_at - prepared.started_at
+        state.metrics.observe_request(status=200, tier=prepared.context.service_tier,
+                                      prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                                      ttft_s=ttft, total_s=now - prepared.started_at)
+    if prepared.counted:
+        project = prepared.context.project or "default"
+        await await_me_maybe(service.quota_store.add_tokens(project, usage.total_tokens, now))
 
 
 async def _stream(request: web.Request, service: CompletionService, prepared: Prepared) -> web.StreamResponse:
@@ -176,7 +245,7 @@ async def _stream(request: web.Request, service: CompletionService, prepared: Pr
         first = await anext(chunks)
     except StopAsyncIteration:
         first = None
-    response = web.StreamResponse(headers=SSE_HEADERS)
+    response = web.StreamResponse(headers={**SSE_HEADERS, **prepared.context.response_headers})
     await response.prepare(request)
     try:
         if first is not None:
@@ -250,6 +319,16 @@ async def models(request: web.Request) -> web.Response:
     return json_response(ModelList(data=[card]))
 
 
+async def metrics_route(request: web.Request) -> web.Response:
+    metrics = _state(request).metrics
+    body = metrics.render() if metrics is not None else b""
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def openapi_route(request: web.Request) -> web.Response:
+    return json_response(openapi_document())
+
+
 async def health(request: web.Request) -> web.Response:
     state = _state(request)
     if state.load_error is not None:
@@ -270,8 +349,9 @@ async def _load_engine(app: web.Application) -> None:
         info = engine.info
         fingerprint = state.pm.hook.trtserver_system_fingerprint(engine_info=info)
         model_name = state.config.served_model_name or info.model_name
+        quota_store = state.pm.hook.trtserver_quota_store(config=state.config)
         state.service = CompletionService(engine, state.pm, state.config, model_name=model_name,
-                                          system_fingerprint=fingerprint)
+                                          system_fingerprint=fingerprint, quota_store=quota_store)
         state.ready = True
         log.info("engine_ready", engine=info.backend, model=model_name, context_length=info.context_length)
     except Exception as exc:
@@ -299,10 +379,14 @@ def create_app(config: ServerConfig, pm: pluggy.PluginManager | None = None) -> 
         allowlist = config.plugin_allowlist if config.plugin_allowlist is not None else allowlist_from_env()
         load_plugins(pm, extra=config.plugins, allowlist=allowlist)
     app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
-    app[STATE] = ServerState(config=config, pm=pm)
+    state = ServerState(config=config, pm=pm)
+    state.metrics = Metrics(lambda: state.engine.stats() if state.engine is not None and state.ready else None)
+    app[STATE] = state
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_route)
+    app.router.add_get("/openapi.json", openapi_route)
     app.cleanup_ctx.append(_engine_lifecycle)
     pm.hook.trtserver_app_created(app=app, config=config)
     return app

@@ -17,13 +17,15 @@ import structlog
 from msgspec import UNSET
 
 from trtserver import params
+from trtserver.bad_words import bad_words_factory
 from trtserver.choices import ChoiceState, TokenNamer, legacy_logprobs, vllm_prompt_logprobs
 from trtserver.config import ServerConfig
 from trtserver.engine.base import Engine, GenerationRequest, GuidedDecoder, SequenceOutput
-from trtserver.errors import InvalidRequest, Unsupported
+from trtserver.errors import InvalidRequest, Overloaded, Unsupported
 from trtserver.guided import GuideContext, GuideSpec, guide_spec_from_request
 from trtserver.plugins import await_me_maybe
 from trtserver.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
+from trtserver.quota import MemoryQuotaStore, QuotaStore, decide_tier
 from trtserver.request_context import RequestContext
 from trtserver.text import IncrementalDecoder, StopChecker, StopStrings, TextStream
 
@@ -47,11 +49,15 @@ class Prepared:
     prompts: list[params.PromptInput]
     engine_requests: list[GenerationRequest]
     stop_factories: list[Callable[[], StopChecker]] = field(default_factory=list)
+    counted: bool = False  # charged against the project's quota
+    usage: Usage | None = None  # set when the run ends, however it ends
+    started_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
 
 
 class CompletionService:
     def __init__(self, engine: Engine, pm: pluggy.PluginManager, config: ServerConfig, *,
-                 model_name: str, system_fingerprint: str | None) -> None:
+                 model_name: str, system_fingerprint: str | None, quota_store: QuotaStore | None = None) -> None:
         self.engine = engine
         self.pm = pm
         self.config = config
@@ -59,12 +65,22 @@ class CompletionService:
         self.system_fingerprint = system_fingerprint
         self.tokenizer = engine.tokenizer
         self.info = engine.info
+        self.quota_store: QuotaStore = quota_store or MemoryQuotaStore()
+        self.flex_in_flight = 0
 
     # --- preparing -------------------------------------------------------------------------
 
     async def prepare(self, request: CompletionRequest, context: RequestContext) -> Prepared:
         params.check_model(request, self.model_name)
         params.check_limits(request, self.config, self.info)
+        stats = self.engine.stats()
+        if stats.waiting >= self.config.max_waiting:
+            raise Overloaded("too many requests are waiting; retry shortly", headers={"Retry-After": "1"})
+        tier = await decide_tier(request.service_tier, context.query.get("ai_project_id"), context.api_key,
+                                 self.config, self.quota_store, self.flex_in_flight, self.config.max_flex_waiting)
+        context.service_tier = tier.tier
+        context.project = tier.project
+        context.response_headers.update(tier.headers)
         for result in self.pm.hook.trtserver_request_received(request=request, context=context):
             await await_me_maybe(result)
         prompts = params.tokenize_prompts(request, self.tokenizer, self.info)
@@ -74,8 +90,11 @@ class CompletionService:
                                           rank_by_logprob=width > request.n and not request.use_beam_search)
         guide = guide_spec_from_request(request)
         guided = await self._guided_decoder(*guide) if guide is not None else None
-        processors = [f for fs in self.pm.hook.trtserver_logits_processors(request=request, context=context)
+        processors = [f for fs in self.pm.hook.trtserver_logits_processors(request=request, context=context,
+                                                                            tokenizer=self.tokenizer)
                       if fs for f in fs]
+        if request.bad_words:
+            processors.append(bad_words_factory(request.bad_words, self.tokenizer))
         if processors and not self.info.capabilities.logits_processors:
             raise Unsupported(f"this engine ({self.info.backend}) cannot run logits processors",
                               param="logits_processors")
@@ -85,7 +104,7 @@ class CompletionService:
         if stop_strings:
             stops.insert(0, lambda: StopStrings(stop_strings))
         response_id = f"cmpl-{request.request_id or context.request_id}"
-        priority = params.engine_priority(request, context.priority if context.service_tier else None)
+        priority = params.engine_priority(request, tier.priority)
         engine_requests = [
             GenerationRequest(
                 request_id=f"{context.request_id}-{i}",
@@ -106,7 +125,8 @@ class CompletionService:
             for engine_request in engine_requests:
                 for param, reason in check(engine_request):
                     raise Unsupported(reason, param=_sent_param(request, param))
-        return Prepared(request, context, response_id, int(time.time()), prompts, engine_requests, stops)
+        return Prepared(request, context, response_id, int(time.time()), prompts, engine_requests, stops,
+                        counted=tier.counted)
 
     async def _guided_decoder(self, spec: GuideSpec, backend: str) -> GuidedDecoder:
         if not self.info.capabilities.guided_decoding:
@@ -178,6 +198,8 @@ class CompletionService:
                 if delta.finish_reason is None:  # we stopped it (stop string): free it in the engine now
                     self.engine.abort(prepared.engine_requests[prompt_index].request_id, delta.index)
             if piece is not None:
+                if prepared.first_token_at is None:
+                    prepared.first_token_at = time.monotonic()
                 usage = None
                 if continuous:
                     usage = Usage(choice.prompt_tokens, choice.completion_tokens,
@@ -185,6 +207,7 @@ class CompletionService:
                 yield self._chunk(prepared, [piece], usage)
             if remaining == 0:
                 break
+        prepared.usage = self.usage(prepared, choices.values())
 
     async def _engine_outputs(self, prepared: Prepared) -> AsyncIterator[tuple[int, SequenceOutput]]:
         """Every prompt's engine stream, interleaved as deltas arrive."""
@@ -318,7 +341,7 @@ class CompletionService:
                 choice.logprobs = None
         return CompletionResponse(id=prepared.response_id, created=prepared.created, model=self.model_name,
                                   choices=[merged[i] for i in sorted(merged)],
-                                  usage=self.usage(prepared, states.values()),
+                                  usage=prepared.usage,
                                   system_fingerprint=self.system_fingerprint,
                                   service_tier=prepared.context.service_tier or UNSET)
 

@@ -18,6 +18,11 @@ from typing import Any
 
 import pytest
 
+try:
+    from pytest_asyncio import fixture as async_fixture
+except ImportError:  # the plugin loads wherever trtserver is installed; the fixture needs pytest-asyncio
+    async_fixture = pytest.fixture
+
 DEFAULT_ENGINE_DIR = "engines/SmolLM2-135M-Instruct"
 
 
@@ -42,10 +47,11 @@ async def wait_ready(app: Any, timeout: float = 120.0) -> None:
         await asyncio.sleep(0.05)
 
 
-@pytest.fixture
+@async_fixture
 async def trtserver_client_factory() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
     """Start an app (real default model, PyTorch engine) with extra plugins; returns an aiohttp
-    ``TestClient``. Plugins are module objects, instances, or module names / file paths."""
+    ``TestClient``. Plugins are module objects, instances, or module names / file paths; other
+    keyword arguments are ``ServerConfig`` settings. Needs pytest-asyncio."""
     from aiohttp.test_utils import TestClient, TestServer
 
     from trtserver.config import ServerConfig
@@ -57,6 +63,9 @@ async def trtserver_client_factory() -> AsyncIterator[Callable[..., Awaitable[An
     async def make(plugins: Iterable[object] = (), **settings: Any) -> TestClient[Any, Any]:
         settings.setdefault("engine_dir", str(default_engine_dir()))
         settings.setdefault("engine", "torch")
+        # small KV cache: the app starts in seconds (the full 8k context x 16 slots takes longer)
+        settings.setdefault("max_batch_size", 4)
+        settings.setdefault("max_model_len", 1024)
         config = ServerConfig(**settings)
         pm = new_plugin_manager()
         names = [p for p in plugins if isinstance(p, str)]

@@ -251,3 +251,10 @@ def test_streamed_equals_collected(http: httpx.Client, flag: dict) -> None:
         text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] ==
                        choice["index"])
         assert text == choice["text"]
+
+
+def test_bad_words(http: httpx.Client) -> None:
+    base = post(http, prompt=PROMPT, max_tokens=4, temperature=0)["choices"][0]["text"]
+    assert "Paris" in base
+    banned = post(http, prompt=PROMPT, max_tokens=4, temperature=0, bad_words=["Paris"])["choices"][0]["text"]
+    assert "Paris" not in banned

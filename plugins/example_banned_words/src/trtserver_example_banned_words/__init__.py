@@ -18,10 +18,7 @@ import functools
 import os
 import re
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import tokenizers
 
 from trtserver import hookimpl
 from trtserver.errors import InvalidRequest
@@ -29,6 +26,7 @@ from trtserver.errors import InvalidRequest
 if TYPE_CHECKING:
     from trtserver.protocol import CompletionRequest
     from trtserver.request_context import RequestContext
+    from trtserver.tokenizer import Tokenizer
 
 __version__ = "0.1.0"
 
@@ -39,17 +37,10 @@ def banned_words() -> tuple[str, ...]:
     return tuple(w.strip() for w in os.environ.get(ENV, "").split(",") if w.strip())
 
 
-@functools.lru_cache(maxsize=8)
-def _tokenizer(engine_dir: str) -> tokenizers.Tokenizer:
-    # the hook is not handed the served tokenizer, so load the engine directory's own copy
-    return tokenizers.Tokenizer.from_file(str(Path(engine_dir) / "tokenizer.json"))
-
-
 @functools.lru_cache(maxsize=64)
-def banned_sequences(engine_dir: str, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-    tokenizer = _tokenizer(engine_dir)
+def banned_sequences(tokenizer: Tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
     spellings = {s for w in words for s in (w, " " + w, w.capitalize(), " " + w.capitalize())}
-    return tuple(sorted({tuple(tokenizer.encode(s, add_special_tokens=False).ids) for s in spellings}))
+    return tuple(sorted({tuple(tokenizer.encode(s, add_special_tokens=False)) for s in spellings}))
 
 
 class BanSequences:
@@ -86,10 +77,10 @@ def trtserver_request_received(request: CompletionRequest, context: RequestConte
 
 
 @hookimpl
-def trtserver_logits_processors(request: CompletionRequest,
-                                context: RequestContext) -> list[Callable[[], BanSequences]] | None:
+def trtserver_logits_processors(request: CompletionRequest, context: RequestContext,
+                                tokenizer: Tokenizer) -> list[Callable[[], BanSequences]] | None:
     words = banned_words()
     if not words:
         return None
-    sequences = banned_sequences(context.config.engine_dir, words)
+    sequences = banned_sequences(tokenizer, words)
     return [lambda: BanSequences(sequences)]

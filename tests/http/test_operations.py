@@ -1,0 +1,84 @@
+"""Operating it: API keys, service tiers and quotas, metrics, OpenAPI, queue limits, health."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from trtserver.config import TierLimits
+
+BODY = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+
+
+@pytest.fixture
+async def ops_client(trtserver_client_factory: Any) -> Any:
+    return await trtserver_client_factory(
+        api_keys=["k-default"], no_limit_api_keys=["k-vip"],
+        quotas={"default": TierLimits(requests_per_minute=2), "big": TierLimits(requests_per_minute=100)},
+        max_flex_waiting=0)
+
+
+def auth(key: str = "k-default") -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def test_api_keys(ops_client: Any) -> None:
+    missing = await ops_client.post("/v1/completions", json=BODY)
+    assert missing.status == 401
+    assert (await missing.json())["error"]["type"] == "authentication_error"
+    wrong = await ops_client.post("/v1/completions", json=BODY, headers=auth("nope"))
+    assert wrong.status == 401
+    assert (await ops_client.get("/health")).status == 200  # health and metrics stay open
+    assert (await ops_client.get("/v1/models", headers=auth())).status == 200
+
+
+async def test_default_tier_quota_gives_429_with_headers(ops_client: Any) -> None:
+    url = "/v1/completions?ai_project_id=small"
+    first = await ops_client.post(url, json={**BODY, "service_tier": "default"}, headers=auth())
+    assert first.status == 200
+    assert first.headers["x-ratelimit-remaining-requests"] == "1"
+    assert (await first.json())["service_tier"] == "default"
+    assert (await ops_client.post(url, json={**BODY, "service_tier": "default"}, headers=auth())).status == 200
+    third = await ops_client.post(url, json={**BODY, "service_tier": "default"}, headers=auth())
+    assert third.status == 429
+    assert int(third.headers["Retry-After"]) >= 1
+    assert third.headers["x-ratelimit-remaining-requests"] == "0"
+    assert (await third.json())["error"]["type"] == "rate_limit_error"
+    # auto: still served, marked over-limit
+    auto = await ops_client.post(url, json={**BODY, "service_tier": "auto"}, headers=auth())
+    assert auto.status == 200 and (await auto.json())["service_tier"] == "over-limit"
+    # another project has its own budget
+    other = await ops_client.post("/v1/completions?ai_project_id=big", json=BODY, headers=auth())
+    assert other.status == 200 and (await other.json())["service_tier"] == "auto"
+
+
+async def test_tier_rules(ops_client: Any) -> None:
+    over = await ops_client.post("/v1/completions", json={**BODY, "service_tier": "over-limit"}, headers=auth())
+    assert over.status == 400 and (await over.json())["error"]["param"] == "service_tier"
+    denied = await ops_client.post("/v1/completions", json={**BODY, "service_tier": "no-limit"}, headers=auth())
+    assert denied.status == 403
+    vip = await ops_client.post("/v1/completions", json={**BODY, "service_tier": "no-limit"}, headers=auth("k-vip"))
+    assert vip.status == 200 and (await vip.json())["service_tier"] == "no-limit"
+    flex = await ops_client.post("/v1/completions", json={**BODY, "service_tier": "flex"}, headers=auth())
+    assert flex.status == 429  # max_flex_waiting=0: its queue is always full here
+
+
+async def test_metrics_and_openapi(ops_client: Any) -> None:
+    await ops_client.post("/v1/completions?ai_project_id=big", json=BODY, headers=auth())
+    text = await (await ops_client.get("/metrics")).text()
+    for name in ("trtserver_requests_total", "trtserver_completion_tokens_total", "trtserver_queue_depth",
+                 "trtserver_running_sequences", "trtserver_kv_slots_used", "trtserver_time_to_first_token_seconds",
+                 "trtserver_inter_token_latency_seconds"):
+        assert name in text
+    assert 'status="200"' in text
+    spec = await (await ops_client.get("/openapi.json", headers=auth())).json()
+    assert spec["openapi"].startswith("3.")
+    schema = spec["components"]["schemas"]["CompletionRequest"]
+    assert "guided_json" in schema["properties"] and "prompt" in schema["required"]
+
+
+async def test_waiting_queue_bound(trtserver_client_factory: Any) -> None:
+    client = await trtserver_client_factory(max_waiting=1)
+    # nothing waits while idle, so a single request is served
+    assert (await client.post("/v1/completions", json=BODY)).status == 200

@@ -1,0 +1,62 @@
+"""Prometheus metrics, one registry per app (no module globals), served at ``/metrics``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from trtserver.engine.base import EngineStats
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class _EngineCollector(Collector):
+    """Engine gauges read at scrape time, so the serving path never updates them."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        stats = self._stats()
+        if stats is None:
+            return
+        yield GaugeMetricFamily("trtserver_queue_depth", "Requests waiting for a slot", value=stats.waiting)
+        yield GaugeMetricFamily("trtserver_running_sequences", "Sequences in the running batch", value=stats.running)
+        yield GaugeMetricFamily("trtserver_kv_slots_used", "KV-cache slots in use", value=stats.slots_used)
+        yield GaugeMetricFamily("trtserver_kv_slots_total", "KV-cache slots", value=stats.slots_total)
+
+
+class Metrics:
+    def __init__(self, engine_stats: Callable[[], EngineStats | None]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("trtserver_requests", "Completed HTTP requests to /v1/completions",
+                                ["status", "tier"], registry=self.registry)
+        self.prompt_tokens = Counter("trtserver_prompt_tokens", "Prompt tokens processed", registry=self.registry)
+        self.completion_tokens = Counter("trtserver_completion_tokens", "Tokens generated", registry=self.registry)
+        self.time_to_first_token = Histogram("trtserver_time_to_first_token_seconds", "Time to the first token",
+                                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.inter_token_latency = Histogram("trtserver_inter_token_latency_seconds",
+                                             "Mean time between tokens of a request", buckets=TOKEN_BUCKETS,
+                                             registry=self.registry)
+        self.request_latency = Histogram("trtserver_request_latency_seconds", "Whole request time",
+                                         buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineCollector(engine_stats))
+
+    def observe_request(self, *, status: int, tier: str | None, prompt_tokens: int, completion_tokens: int,
+                        ttft_s: float | None, total_s: float) -> None:
+        """Once per request: token-level timing is summarised by the caller, never observed per token."""
+        self.requests.labels(status=str(status), tier=tier or "none").inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.completion_tokens.inc(completion_tokens)
+        self.request_latency.observe(total_s)
+        if ttft_s is not None:
+            self.time_to_first_token.observe(ttft_s)
+            if completion_tokens > 1:
+                self.inter_token_latency.observe((total_s - ttft_s) / (completion_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
