@@ -21,6 +21,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per ServerConfig field, from the struct itself, so the two never drift."""
     parser.add_argument("engine_dir", help="engine directory (made by `trtserver build`)")
     parser.add_argument("--config", help="TOML file with a [server] table; flags override it")
+    parser.add_argument("--plugin", action="append", dest="plugin_specs", default=None, metavar="MODULE_OR_PATH",
+                        help="load this plugin module or .py file too (repeatable)")
     for field in msgspec.structs.fields(ServerConfig):
         if field.name == "engine_dir":
             continue
@@ -47,6 +49,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         value = getattr(args, field.name, None)
         if value is not None:
             values[field.name] = value
+    if getattr(args, "plugin_specs", None):
+        values["plugins"] = [*values.get("plugins", []), *args.plugin_specs]  # type: ignore[list-item]
     return build_config(values)
 
 

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from trtserver.cli import _add_serve_arguments, config_from_args
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    _add_serve_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_flags_map_onto_config() -> None:
+    config = config_from_args(parse("engines/x", "--port", "9000", "--max-logprobs", "20", "--no-cuda-graphs",
+                                    "--api-keys", "a,b", "--plugin", "mod_one", "--plugin", "two.py",
+                                    "--request-timeout-s", "2.5"))
+    assert config.engine_dir == "engines/x" and config.port == 9000 and config.max_logprobs == 20
+    assert config.cuda_graphs is False and config.api_keys == ["a", "b"]
+    assert config.plugins == ["mod_one", "two.py"] and config.request_timeout_s == 2.5
+
+
+def test_toml_file_with_flags_winning(tmp_path: Path) -> None:
+    path = tmp_path / "server.toml"
+    path.write_text('[server]\nport = 7000\nmax_n = 4\n[server.quotas.default]\nrequests_per_minute = 10\n')
+    config = config_from_args(parse("engines/x", "--config", str(path), "--port", "7100"))
+    assert config.port == 7100 and config.max_n == 4
+    assert config.quotas["default"].requests_per_minute == 10
+
+
+def test_invalid_settings_fail(tmp_path: Path) -> None:
+    with pytest.raises(msgspec.ValidationError):
+        config_from_args(parse("engines/x", "--max-batch-size", "0"))
+    path = tmp_path / "bad.toml"
+    path.write_text("[server]\nno_such_setting = 1\n")
+    with pytest.raises(msgspec.ValidationError):
+        config_from_args(parse("engines/x", "--config", str(path)))
