@@ -10,6 +10,7 @@ in time and memory, additionally runs each compile in a killable subprocess (see
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -53,7 +54,7 @@ class CompileCache(Generic[T]):
                 future = self._pool.submit(compile_fn)
                 self._pending[key] = future
         if fresh:  # outside the lock: a future that is already done runs the callback right here
-            future.add_done_callback(lambda f, k=key: self._finish(k, f))
+            future.add_done_callback(functools.partial(self._finish, key))
         try:
             return future.result(timeout=timeout)
         except FutureTimeout:

@@ -84,10 +84,10 @@ class LLGuidanceBackend(Backend):
             options["whitespace_flexible"] = False
         try:
             if spec.kind == "json":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(str(spec.value), overrides=options or None)
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(str(spec.value), overrides=options or None)  # type: ignore[arg-type]
             elif spec.kind == "json_object":
                 grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}',
-                                                                        overrides=options or None)
+                                                                        overrides=options or None)  # type: ignore[arg-type]
             elif spec.kind == "regex":
                 grammar = llguidance.LLMatcher.grammar_from_regex(str(spec.value))
             elif spec.kind == "choice":
