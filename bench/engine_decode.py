@@ -1,5 +1,9 @@
 """Decode speed of the PyTorch engine, in process: tokens/s at batch 1 and 16.
 
+Tokens per second of wall time, and per CPU second of the engine's worker thread: with
+``--threads 1`` all the model's work runs on that thread, so the second figure is what an
+otherwise idle core gives even while other processes share the machine.
+
     .venv/bin/python bench/engine_decode.py [--dtype float32 bfloat16] [--batch 1 16] [--tokens 128]
 """
 
@@ -28,11 +32,12 @@ async def run(engine: TorchEngine, batch: int, tokens: int, temperature: float) 
 
     await one(0)  # warm-up
     core = engine.core
-    t0, d0 = time.perf_counter(), core.num_decode_forwards
+    clock = time.pthread_getcpuclockid(engine.runner._thread.ident)
+    t0, c0, d0 = time.perf_counter(), time.clock_gettime(clock), core.num_decode_forwards
     total = sum(await asyncio.gather(*(one(i) for i in range(batch))))
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.clock_gettime(clock) - c0
     steps = core.num_decode_forwards - d0
-    return total / elapsed, elapsed / max(steps, 1) * 1000
+    return total / elapsed, elapsed / max(steps, 1) * 1000, total / cpu
 
 
 async def main() -> None:
@@ -43,14 +48,17 @@ async def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--int4", action="store_true", help="also run bfloat16 with int4 weights")
     args = ap.parse_args()
-    for dtype in args.dtype:
+    runs = [(dtype, None) for dtype in args.dtype] + ([("bfloat16", "int4")] if args.int4 else [])
+    for dtype, quantize in runs:
         engine = TorchEngine.from_dir(args.engine_dir, dtype=dtype, max_batch_size=max(args.batch),
-                                      max_model_len=1024, threads=args.threads)
+                                      max_model_len=1024, threads=args.threads, quantize=quantize)
         await engine.start()
         for batch in args.batch:
-            tps, ms = await run(engine, batch, args.tokens, args.temperature)
-            print(f"{dtype:9s} batch {batch:3d}: {tps:7.1f} tokens/s  ({ms:.1f} ms/step)", flush=True)
+            tps, ms, cpu_tps = await run(engine, batch, args.tokens, args.temperature)
+            print(f"{dtype + ('+int4' if quantize else ''):14s} batch {batch:3d}: {tps:7.1f} tokens/s  "
+                  f"({ms:.1f} ms/step wall; {cpu_tps:.1f} tokens per worker-thread CPU second)", flush=True)
         await engine.shutdown()
 
 

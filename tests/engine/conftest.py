@@ -23,9 +23,10 @@ def smol_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def engine(smol_dir: Path) -> Iterator[TorchEngine]:
-    # chunk size 16 (the minimum) so prompts of the tests are prefilled in several chunks
+    # chunk size 16 (the minimum) so prompts of the tests are prefilled in several chunks; one thread,
+    # because two OpenMP threads stall on every barrier when other jobs share the two cores
     eng = TorchEngine.from_dir(smol_dir, dtype="float32", device="cpu", max_batch_size=8,
-                               max_model_len=384, prefill_chunk_size=16, seed=0)
+                               max_model_len=384, prefill_chunk_size=16, seed=0, threads=1)
     asyncio.run(eng.start())
     yield eng
     asyncio.run(eng.shutdown())

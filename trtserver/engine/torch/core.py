@@ -24,7 +24,7 @@ class EngineCore:
     def __init__(self, model: Transformer, *, num_slots: int, max_len: int, chunk_size: int,
                  eos_token_ids: Seq[int], device: torch.device, seed: int | None = None) -> None:
         args = model.args
-        dtype = model.output.weight.dtype
+        dtype = model.tok_embeddings.weight.dtype
         self.model, self.device, self.max_len = model, device, max_len
         self.cache = KVCache(args.n_layers, num_slots, args.n_kv_heads, max_len, args.head_dim, dtype, device)
         model.setup_rope(max_len)

@@ -30,8 +30,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class TorchEngine:
-    def __init__(self, config: ServerConfig, *, seed: int | None = None) -> None:
+    def __init__(self, config: ServerConfig, *, seed: int | None = None, quantize: str | None = None) -> None:
+        """``quantize="int4"``: weight-only int4 for decode on the CPU (bfloat16 activations); not
+        yet a ServerConfig field, so the server runs unquantized weights."""
+        if quantize not in (None, "int4"):
+            raise ValueError(f"quantize={quantize!r}: only 'int4' is supported")
         self.config = config
+        self.quantize = quantize
         self.path = Path(config.engine_dir)
         if not (self.path / "config.json").exists():
             raise FileNotFoundError(f"{self.path}: no config.json; build the engine directory with `make engines`")
@@ -40,6 +45,10 @@ class TorchEngine:
         self._tokenizer = Tokenizer.from_dir(self.path)
         self.device = resolve_device(config.device)
         self.dtype: torch.dtype | None = None if config.dtype == "auto" else _DTYPES[config.dtype]
+        if quantize == "int4":
+            if self.device.type != "cpu" or self.dtype not in (None, torch.bfloat16):
+                raise ValueError("quantize='int4' needs device cpu and dtype bfloat16 (or auto)")
+            self.dtype = torch.bfloat16
         if self.dtype is None and self.device.type == "cuda":
             self.dtype = torch.bfloat16
         context = (config.max_model_len or self.manifest.get("context_length")
@@ -60,9 +69,10 @@ class TorchEngine:
         )
 
     @classmethod
-    def from_dir(cls, engine_dir: str | Path, *, seed: int | None = None, **options: Any) -> TorchEngine:
+    def from_dir(cls, engine_dir: str | Path, *, seed: int | None = None, quantize: str | None = None,
+                 **options: Any) -> TorchEngine:
         """Options are ServerConfig fields: ``device``, ``dtype``, ``max_batch_size``, ..."""
-        return cls(ServerConfig(engine_dir=str(engine_dir), engine="torch", **options), seed=seed)
+        return cls(ServerConfig(engine_dir=str(engine_dir), engine="torch", **options), seed=seed, quantize=quantize)
 
     @property
     def info(self) -> EngineInfo:
@@ -93,6 +103,15 @@ class TorchEngine:
         t0 = time.perf_counter()
         dtype = self.dtype or pick_cpu_dtype()
         model = load_model(self.path, dtype, self.device)
+        if self.quantize == "int4":
+            from trtserver.engine.torch.model import quantize_int4
+
+            quantize_int4(model)
+        elif self.device.type == "cpu":
+            from trtserver.engine.torch.model import can_pack_for_cpu, pack_for_cpu
+
+            if can_pack_for_cpu():
+                pack_for_cpu(model)
         self.dtype = dtype
         self.core = EngineCore(model, num_slots=self.config.max_batch_size, max_len=self.max_model_len,
                                chunk_size=self.config.prefill_chunk_size, eos_token_ids=self._info.eos_token_ids,

@@ -17,8 +17,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from trtserver.engine.base import GenerationRequest, SequenceOutput
-from trtserver.errors import EngineError
 from trtserver.engine.torch.core import EngineCore
+from trtserver.errors import EngineError
 
 log = logging.getLogger(__name__)
 
