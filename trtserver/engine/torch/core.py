@@ -7,6 +7,7 @@ the runner's worker thread only, and never touches asyncio.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -36,6 +37,7 @@ class EngineCore:
         self.num_prefill_forwards = 0  # observability (and the tests' spy)
         self.num_decode_forwards = 0
         self.current: list[Group] = []  # groups in the step under way (failed together on error)
+        self.graphs: Any = None  # DecodeGraphs on CUDA (graphs.py), else None
 
     # ---- requests --------------------------------------------------------------------------
     def add(self, request: GenerationRequest) -> Group:
@@ -99,7 +101,7 @@ class EngineCore:
         for b, c in enumerate(chunks):
             n = c.end - c.start
             tokens[b, :n] = torch.tensor(c.group.request.prompt_token_ids[c.start:c.end])
-            pos[b, :n] = self._positions[c.start:c.end]
+            pos[b, :n] = torch.arange(c.start, c.end)
         slots = [c.group.prefill_slot for c in chunks]
         length = max(c.end for c in chunks)
         causal = B == 1 and chunks[0].start == 0
@@ -161,18 +163,21 @@ class EngineCore:
             self._sample(logits[rows], seqs)
 
     def _decode(self, seqs: list[Sequence]) -> None:
-        B = len(seqs)
-        slots = [s.slot for s in seqs]
-        positions = [s.num_cached for s in seqs]
-        tokens = torch.tensor([[s.last_token] for s in seqs], device=self.device)  # (B, 1)
-        pos = torch.tensor(positions, device=self.device).unsqueeze(1)  # (B, 1)
-        length = max(positions) + 1
-        mask = None
-        if min(positions) + 1 != length:
-            mask = (self._positions[:length] <= pos).view(B, 1, 1, length)  # (B, 1, 1, L)
-        ctx = ForwardContext(pos, torch.tensor(slots, device=self.device), _contiguous(slots), length, mask)
-        hidden = self.model(tokens, ctx, self.cache)  # (B, 1, dim)
-        logits = self.model.logits(hidden[:, 0])  # (B, V)
+        if self.graphs is not None:
+            logits = self.graphs.decode(seqs)  # (B, V), from a captured CUDA graph
+        else:
+            B = len(seqs)
+            slots = [s.slot for s in seqs]
+            positions = [s.num_cached for s in seqs]
+            tokens = torch.tensor([[s.last_token] for s in seqs], device=self.device)  # (B, 1)
+            pos = torch.tensor(positions, device=self.device).unsqueeze(1)  # (B, 1)
+            length = max(positions) + 1
+            mask = None
+            if min(positions) + 1 != length:
+                mask = (self._positions[:length] <= pos).view(B, 1, 1, length)  # (B, 1, 1, L)
+            ctx = ForwardContext(pos, torch.tensor(slots, device=self.device), _contiguous(slots), length, mask)
+            hidden = self.model(tokens, ctx, self.cache)  # (B, 1, dim)
+            logits = self.model.logits(hidden[:, 0])  # (B, V)
         self.num_decode_forwards += 1
         for seq in seqs:
             seq.num_cached += 1

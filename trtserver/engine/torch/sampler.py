@@ -153,7 +153,8 @@ class Sampler:
             ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
             kth = scaled.topk(max(ks), dim=-1).values  # (B, kmax), descending
             thresh = kth.gather(1, torch.tensor(ks, device=dev).unsqueeze(1) - 1)  # (B, 1)
-            thresh[torch.tensor([p.top_k <= 0 for p in params], device=dev)] = NEG_INF
+            off = torch.tensor([p.top_k <= 0 for p in params], device=dev).unsqueeze(1)
+            thresh = torch.where(off, NEG_INF, thresh)  # a boolean index would sync on CUDA
             scaled.masked_fill_(scaled < thresh, NEG_INF)
         if any(p.top_p < 1.0 for p in params):
             top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
