@@ -6,6 +6,7 @@ alike (the collected response is the stream, joined).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from trtserver.engine.base import SequenceOutput
@@ -47,8 +48,8 @@ class TokenNamer:
         return name
 
 
-def legacy_logprobs(namer: TokenNamer, token_ids: list[int], token_logprobs: list[float | None],
-                    tops: list[list[tuple[int, float]] | None] | None, k: int, offset: int
+def legacy_logprobs(namer: TokenNamer, token_ids: list[int], token_logprobs: Sequence[float | None],
+                    tops: Sequence[Sequence[tuple[int, float]] | None] | None, k: int, offset: int
                     ) -> tuple[CompletionLogprobs, int]:
     """Build the legacy object for a run of tokens; returns it and the next text offset."""
     out = CompletionLogprobs()
@@ -71,8 +72,8 @@ def legacy_logprobs(namer: TokenNamer, token_ids: list[int], token_logprobs: lis
     return out, offset
 
 
-def vllm_prompt_logprobs(namer: TokenNamer, prompt_ids: list[int], token_lps: list[float | None],
-                         tops: list[list[tuple[int, float]] | None]) -> list[dict[str, PromptLogprob] | None]:
+def vllm_prompt_logprobs(namer: TokenNamer, prompt_ids: list[int], token_lps: Sequence[float | None],
+                         tops: Sequence[Sequence[tuple[int, float]] | None]) -> list[dict[str, PromptLogprob] | None]:
     """vLLM's ``prompt_logprobs``: per position, {token_id: {logprob, rank, decoded_token}}."""
     result: list[dict[str, PromptLogprob] | None] = []
     for i, token_id in enumerate(prompt_ids):

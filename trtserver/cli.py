@@ -50,7 +50,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         if value is not None:
             values[field.name] = value
     if getattr(args, "plugin_specs", None):
-        values["plugins"] = [*values.get("plugins", []), *args.plugin_specs]  # type: ignore[list-item]
+        from_file = values.get("plugins")
+        values["plugins"] = [*(from_file if isinstance(from_file, list) else []), *args.plugin_specs]
     return build_config(values)
 
 

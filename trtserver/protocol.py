@@ -9,7 +9,7 @@ live in ``CompletionRequest.check()``, which raises ``FieldError``; the server t
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -180,8 +180,8 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
         if isinstance(prompt, str):
             return [prompt]
         if isinstance(prompt[0], int):
-            return [list(prompt)]  # type: ignore[arg-type]
-        return list(prompt)  # type: ignore[arg-type]
+            return [cast("list[int]", list(prompt))]
+        return cast("list[str] | list[list[int]]", list(prompt))
 
 
 def _is_int_key(key: str) -> bool:

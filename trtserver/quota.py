@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import math
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,10 +42,10 @@ class QuotaDecision:
 class QuotaStore(Protocol):
     """Counts per project over a sliding minute. Methods may be async (return awaitables)."""
 
-    def acquire(self, project: str, limits: TierLimits, now: float) -> QuotaDecision:
+    def acquire(self, project: str, limits: TierLimits, now: float) -> QuotaDecision | Awaitable[QuotaDecision]:
         """Decide whether one more request fits; count it when it does."""
 
-    def add_tokens(self, project: str, tokens: int, now: float) -> None:
+    def add_tokens(self, project: str, tokens: int, now: float) -> Awaitable[None] | None:
         """Charge tokens used by a finished request."""
 
 

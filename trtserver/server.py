@@ -26,10 +26,13 @@ from trtserver.openapi import openapi_document
 from trtserver.plugins import allowlist_from_env, await_me_maybe, load_plugins, new_plugin_manager
 from trtserver.protocol import (
     REQUEST_FIELDS,
+    CompletionChoice,
     CompletionRequest,
+    CompletionResponse,
     FieldError,
     ModelCard,
     ModelList,
+    Usage,
     encoder,
     request_decoder,
 )
@@ -276,33 +279,32 @@ class _Collector:
 
     def __init__(self, prepared: Prepared) -> None:
         self.prepared = prepared
-        self.chunks: list[object] = []
-        self.text: dict[int, list[str]] = {}
-        self.finish: dict[int, tuple[str | None, int | str | None]] = {}
-        self.usage = None
+        self.choices: dict[int, CompletionChoice] = {}
+        self.usage: Usage | None = None
 
-    def add(self, chunk: object) -> None:
-        for choice in chunk.choices:  # type: ignore[attr-defined]
-            self.text.setdefault(choice.index, []).append(choice.text)
-            if choice.finish_reason is not None:
-                self.finish[choice.index] = (choice.finish_reason, choice.stop_reason)
-        if chunk.usage is not None:  # type: ignore[attr-defined]
-            self.usage = chunk.usage  # type: ignore[attr-defined]
+    def add(self, chunk: CompletionResponse) -> None:
+        for piece in chunk.choices:
+            current = self.choices.get(piece.index)
+            if current is None:
+                self.choices[piece.index] = CompletionChoice(text=piece.text, index=piece.index, logprobs=None,
+                                                             finish_reason=piece.finish_reason,
+                                                             stop_reason=piece.stop_reason)
+            else:
+                current.text += piece.text
+                if piece.finish_reason is not None:
+                    current.finish_reason, current.stop_reason = piece.finish_reason, piece.stop_reason
+        if chunk.usage is not None:
+            self.usage = chunk.usage
 
-    def response(self, service: CompletionService) -> object:
-        from trtserver.protocol import CompletionChoice, CompletionResponse
-
-        choices = [CompletionChoice(text="".join(parts), index=i, logprobs=None,
-                                    finish_reason=self.finish.get(i, (None, None))[0],  # type: ignore[arg-type]
-                                    stop_reason=self.finish.get(i, (None, None))[1])
-                   for i, parts in sorted(self.text.items())]
+    def response(self, service: CompletionService) -> CompletionResponse:
         return CompletionResponse(id=self.prepared.response_id, created=self.prepared.created,
-                                  model=service.model_name, choices=choices, usage=self.usage,
+                                  model=service.model_name, choices=[self.choices[i] for i in sorted(self.choices)],
+                                  usage=self.usage or self.prepared.usage,
                                   system_fingerprint=service.system_fingerprint,
                                   service_tier=self.prepared.context.service_tier or UNSET)
 
 
-async def _response_ready(service: CompletionService, prepared: Prepared, response: object) -> None:
+async def _response_ready(service: CompletionService, prepared: Prepared, response: CompletionResponse) -> None:
     try:
         for result in service.pm.hook.trtserver_response_ready(request=prepared.request, response=response,
                                                                context=prepared.context):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 import pluggy
@@ -163,7 +163,7 @@ class CompletionService:
         return {(p, s): self._new_choice(prepared, p, s)
                 for p in range(len(prepared.prompts)) for s in range(width)}
 
-    async def stream(self, prepared: Prepared) -> AsyncIterator[CompletionResponse]:
+    async def stream(self, prepared: Prepared) -> AsyncGenerator[CompletionResponse, None]:
         """What a streaming client gets: chunks, then a usage chunk when asked."""
         request = prepared.request
         choices = self._choices(prepared)

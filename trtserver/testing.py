@@ -21,7 +21,7 @@ import pytest
 try:
     from pytest_asyncio import fixture as async_fixture
 except ImportError:  # the plugin loads wherever trtserver is installed; the fixture needs pytest-asyncio
-    async_fixture = pytest.fixture
+    async_fixture = pytest.fixture  # type: ignore[assignment]
 
 DEFAULT_ENGINE_DIR = "engines/SmolLM2-135M-Instruct"
 
