@@ -132,9 +132,9 @@ async def probe_extra(server: peers.Server, model: str, tokens: int, ours: bool)
         # ignore_eos: send it and see whether it changes anything; the prompts are chosen not to stop early anyway
         try:
             n, finish, _ = await completion_usage(server.base_url, model, SHORT, tokens, {"ignore_eos": True})
-            notes.append(f"{server.name}: `ignore_eos` accepted without error (not a documented field of "
-                         f"llama-cpp-python; the prompts are chosen to run past {tokens} tokens: "
-                         f"non-streamed check gave {n} tokens, finish_reason={finish})")
+            notes.append(f"{server.name}: `ignore_eos` is not a field of llama-cpp-python's server (sent, silently "
+                         f"ignored; not sent in the runs); the prompts are chosen to run past {tokens} tokens "
+                         f"(non-streamed check: {n} tokens, finish_reason={finish})")
         except Exception as exc:  # noqa: BLE001 - reported, not fatal
             notes.append(f"{server.name}: `ignore_eos` rejected ({str(exc)[:80]}); not sent")
     for label, prompt in (("short", SHORT), ("long", LONG)):

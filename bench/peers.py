@@ -198,6 +198,8 @@ def ours(engine_dir: Path, port: int, *, device: str = "cpu", extra: list[str] |
 
 
 def llamacpp(py: Path, gguf: Path, port: int, *, n_threads: int = 1, n_ctx: int = 2048) -> Server:
+    # --interrupt_requests False: by default the server ends the running stream early ("[DONE]") as soon as
+    # another request waits, which would cut every concurrent stream short; with it off, requests queue
     cmd = [str(py), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-           "--n_threads", str(n_threads), "--n_ctx", str(n_ctx)]
+           "--n_threads", str(n_threads), "--n_ctx", str(n_ctx), "--interrupt_requests", "False"]
     return Server("llamacpp", cmd, port, "/v1/models")
