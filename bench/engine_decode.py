@@ -43,7 +43,7 @@ async def run(engine: TorchEngine, batch: int, tokens: int, temperature: float) 
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine-dir", default=str(ROOT / "engines" / "SmolLM2-135M-Instruct"))
-    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--dtype", nargs="*", default=["float32", "bfloat16"])
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)

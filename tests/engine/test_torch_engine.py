@@ -300,3 +300,14 @@ async def test_refusals(engine: TorchEngine) -> None:
         engine.generate(GenerationRequest("long", [1] * 400, SamplingParams()))
     with pytest.raises(InvalidRequest):
         engine.generate(GenerationRequest("wide", [1, 2], SamplingParams(), n=9))
+
+
+async def test_int4_weights_still_know_paris(smol_dir) -> None:  # type: ignore[no-untyped-def]
+    eng = TorchEngine.from_dir(smol_dir, quantize="int4", device="cpu", max_batch_size=2, max_model_len=128,
+                               threads=1)
+    await eng.start()
+    try:
+        assert eng.dtype == torch.bfloat16
+        assert "Paris" in eng.tokenizer.decode(await greedy(eng, "The capital of France is", max_tokens=4))
+    finally:
+        await eng.shutdown()

@@ -308,7 +308,7 @@ class Int4Linear(nn.Module):
     """
 
     GROUP = 32
-    MAX_ROWS = 32  # above this many rows, the plain bf16 GEMM wins
+    MAX_ROWS = 4  # above this many rows, the (pre-packed) bf16 GEMM wins on this kernel
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -323,14 +323,14 @@ class Int4Linear(nn.Module):
         zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
         self.scales_zeros = torch.stack([scale.view(N, K // g).t(), zero.view(N, K // g).t()], -1) \
             .contiguous().to(torch.bfloat16)  # (K / g, N, 2)
-        self.weight = linear.weight
         self.bias = linear.bias
         self.out_features = N
+        self.dense: nn.Module = PackedLinear(linear) if can_pack_for_cpu() else linear
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
         if rows > self.MAX_ROWS:
-            return F.linear(x, self.weight, self.bias)
+            return self.dense(x)
         y = torch._weight_int4pack_mm_for_cpu(x.reshape(rows, x.shape[-1]), self.packed, self.GROUP,
                                               self.scales_zeros).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
