@@ -14,7 +14,7 @@ from trtserver.engine.base import GenerationRequest, SamplingParams
 from trtserver.engine.torch.core import EngineCore
 from trtserver.engine.torch.model import load_model
 
-V, D, LAYERS, H, KV, I = 96, 64, 2, 4, 2, 80
+V, D, LAYERS, H, KV, FF = 96, 64, 2, 4, 2, 80
 HS = D // H
 
 
@@ -32,14 +32,14 @@ def make_checkpoint(path: Path, model_type: str) -> dict[str, torch.Tensor]:
             if model_type == "qwen2":
                 t[p + f"self_attn.{name}_proj.bias"] = r(rows)
         t[p + "self_attn.o_proj.weight"] = r(D, H * HS)
-        t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"] = r(I, D), r(I, D)
-        t[p + "mlp.down_proj.weight"] = r(D, I)
+        t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"] = r(FF, D), r(FF, D)
+        t[p + "mlp.down_proj.weight"] = r(D, FF)
         t[p + "input_layernorm.weight"], t[p + "post_attention_layernorm.weight"] = 1 + r(D), 1 + r(D)
     t["lm_head.weight"] = r(V, D)
     save_file(t, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(dict(
         model_type=model_type, vocab_size=V, hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=H,
-        num_key_value_heads=KV, intermediate_size=I, rms_norm_eps=1e-6, rope_theta=10000.0,
+        num_key_value_heads=KV, intermediate_size=FF, rms_norm_eps=1e-6, rope_theta=10000.0,
         max_position_embeddings=128, tie_word_embeddings=False)))
     return t
 

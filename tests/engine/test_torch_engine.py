@@ -130,7 +130,8 @@ async def test_max_tokens_zero_scores_the_prompt(engine: TorchEngine) -> None:
     assert len(deltas) == 1 and deltas[0].token_ids == [] and deltas[0].finish_reason == "length"
     assert deltas[0].num_prompt_tokens == len(ids)
     plp = deltas[0].prompt_token_logprobs
-    assert plp is not None and len(plp) == len(ids) and plp[0] is None and all(x is not None and x <= 0 for x in plp[1:])
+    assert plp is not None and len(plp) == len(ids) and plp[0] is None
+    assert all(x is not None and x <= 0 for x in plp[1:])
 
 
 async def test_generated_logprobs(engine: TorchEngine) -> None:
