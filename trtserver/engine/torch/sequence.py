@@ -76,6 +76,7 @@ class Group:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_sent: bool = False
     beam: Any = None  # BeamState when use_beam_search
+    adapter: Any = None  # the request's LoraAdapter (lora.py), loaded when the engine admits it
 
     @classmethod
     def from_request(cls, request: GenerationRequest) -> Group:
