@@ -38,6 +38,7 @@ class EngineCore:
         self.num_decode_forwards = 0
         self.current: list[Group] = []  # groups in the step under way (failed together on error)
         self.graphs: Any = None  # DecodeGraphs on CUDA (graphs.py), else None
+        self.lora: Any = None  # LoraManager (lora.py) when the server has an adapters directory
 
     # ---- requests --------------------------------------------------------------------------
     def add(self, request: GenerationRequest) -> Group:
@@ -47,6 +48,10 @@ class EngineCore:
             raise ValueError(f"the prompt has {len(request.prompt_token_ids)} tokens; "
                              f"the engine's context is {self.max_len}")
         group = Group.from_request(request)
+        if request.adapter is not None:
+            if self.lora is None:
+                raise ValueError("LoRA adapters are not enabled on this engine")
+            group.adapter = self.lora.get(request.adapter)
         p = request.sampling
         for seq in group.seqs:
             if p.seed is not None:
@@ -108,6 +113,8 @@ class EngineCore:
         pos = pos.to(self.device)
         mask = None if causal else (self._positions[:length] <= pos.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, L)
         ctx = ForwardContext(pos, torch.tensor(slots, device=self.device), _contiguous(slots), length, mask, causal)
+        if self.lora is not None:
+            self.lora.bind([c.group.adapter for c in chunks])
         hidden = self.model(tokens.to(self.device), ctx, self.cache)  # (B, T, dim)
         self.num_prefill_forwards += 1
 
@@ -163,7 +170,8 @@ class EngineCore:
             self._sample(logits[rows], seqs)
 
     def _decode(self, seqs: list[Sequence]) -> None:
-        if self.graphs is not None:
+        lora = self.lora is not None and self.lora.bind([s.group.adapter for s in seqs])
+        if self.graphs is not None and not lora:  # graphs are captured without adapters
             logits = self.graphs.decode(seqs)  # (B, V), from a captured CUDA graph
         else:
             B = len(seqs)
