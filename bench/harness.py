@@ -66,6 +66,7 @@ class ServerRun:
     rss_idle: int = 0
     loads: dict[str, LoadResult] = field(default_factory=dict)
     cpu_s: dict[str, float] = field(default_factory=dict)  # the server's CPU seconds per scenario
+    main_cpu_s: dict[str, float] = field(default_factory=dict)  # of which its main (event-loop) thread
     notes: list[str] = field(default_factory=list)
     profile: str = ""
 
@@ -201,12 +202,13 @@ async def drive(server: peers.Server, run: ServerRun, args: argparse.Namespace, 
         if time.monotonic() > deadline:
             run.notes.append(f"{server.name}: skipped '{sc.name}' (past --max-minutes)")
             continue
-        cpu0 = server.cpu_seconds()
+        cpu0, main0 = server.cpu_seconds(), server.main_thread_cpu_seconds()
         with RssSampler(server):
             load = await run_load(server.base_url, model, sc.prompt, args.tokens, sc.streams, sc.per_stream,
                                   extra=extra, timeout_s=args.request_timeout)
         run.loads[sc.name] = load
         run.cpu_s[sc.name] = server.cpu_seconds() - cpu0
+        run.main_cpu_s[sc.name] = server.main_thread_cpu_seconds() - main0
         short = [r.tokens for r in load.ok if r.tokens != args.tokens]
         if load.failures or short:
             errors = {r.error for r in load.results if not r.ok}
@@ -364,6 +366,18 @@ def machine_line(args: argparse.Namespace) -> str:
             f"torch {torch.__version__}")
 
 
+def git_revision() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=30,
+                             cwd=ROOT).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "trtserver"], capture_output=True, text=True,
+                               timeout=30, cwd=ROOT).stdout.split("\n")
+        changed = [line[3:] for line in dirty if line.strip()]
+        return rev + (f" + uncommitted changes in {', '.join(changed)}" if changed else " (trtserver/ clean)")
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+
+
 def llamacpp_version(py: Path) -> str:
     try:
         return subprocess.run([str(py), "-c", "import llama_cpp; print(llama_cpp.__version__)"], capture_output=True,
@@ -402,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     ours_only = args.ours_only or args.first_slice or gpu
     t_start = time.monotonic()
     load_before = os.getloadavg()
+    revision = git_revision()  # the code the server runs is the working tree at start-up
     deadline = t_start + 60 * args.max_minutes
     engine_dir = args.engine_dir.resolve()
     if not (engine_dir / "config.json").exists():
@@ -459,8 +474,17 @@ def main(argv: list[str] | None = None) -> int:
         extra_rows.append(("ours: time per token, in-process engine.generate (ms)", fmt(tin["tpot_ms"], ".2f"), "-",
                            "-", ""))
         extra_rows.append(("ours: time per token, streamed over HTTP (ms)", fmt(http_ms, ".2f"), "-", "-", ""))
-        extra_rows.append(("ours: server overhead per streamed token", f"{fmt(over, '.2f')} ms = "
+        extra_rows.append(("ours: server overhead per streamed token (wall clock; noisy here)",
+                           f"{fmt(over, '.2f')} ms = "
                            f"{fmt(100 * over / tin['tpot_ms'], '.1f')} %", "-", "-", "< 2 % of a decode step"))
+    name1 = "1 stream, short prompt" if "1 stream, short prompt" in ours.loads else "1 stream"
+    if single is not None and ours.cpu_s.get(name1):
+        main_cpu, all_cpu = ours.main_cpu_s[name1], ours.cpu_s[name1]
+        engine_cpu = all_cpu - main_cpu
+        extra_rows.append(("ours: event-loop thread CPU per streamed token (HTTP + detokenize + SSE), 1 stream",
+                           f"{1e3 * main_cpu / max(single.tokens, 1):.2f} ms = "
+                           f"{fmt(100 * main_cpu / engine_cpu if engine_cpu else float('nan'), '.1f')} % of the "
+                           "engine threads' CPU per token", "-", "-", "< 2 % of a decode step"))
     llama_best = max((v.get("decode_tps", 0.0) for k, v in inproc_results.items() if k.startswith("llamacpp")),
                      default=0.0)
     for key, v in inproc_results.items():
@@ -490,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "python -m bench.harness " + " ".join(argv if argv is not None else sys.argv[1:])
     stamp = dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     lines = [f"## {stamp}: {kind}{' (quick)' if args.quick else ''}", "",
-             f"- command: `{cmd.strip()}`", f"- machine: {machine_line(args)}",
+             f"- command: `{cmd.strip()}`", f"- machine: {machine_line(args)}", f"- code: {revision}",
              f"- model: {engine_dir.name}; {args.tokens} tokens per request, temperature 0; "
              f"took {(time.monotonic() - t_start) / 60:.1f} min",
              "- noise: load average (1/5/15 min) at start {:.1f}/{:.1f}/{:.1f}, at end {:.1f}/{:.1f}/{:.1f} "

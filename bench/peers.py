@@ -107,6 +107,16 @@ def cpu_seconds(pid: int) -> float:
     return total / tick
 
 
+def main_thread_cpu_seconds(pid: int) -> float:
+    """utime + stime of the process's main thread (tid == pid): in our server, the asyncio loop (HTTP, SSE,
+    detokenizing); the model runs on other threads (the engine worker and torch's intra-op pool)."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def http_ok(url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
@@ -161,6 +171,9 @@ class Server:
 
     def cpu_seconds(self) -> float:
         return cpu_seconds(self.proc.pid) if self.proc is not None else 0.0
+
+    def main_thread_cpu_seconds(self) -> float:
+        return main_thread_cpu_seconds(self.proc.pid) if self.proc is not None else 0.0
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
