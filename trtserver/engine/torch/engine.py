@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
+from trtserver.adapters import AdapterRegistry
 from trtserver.config import ServerConfig
 from trtserver.engine.base import Capabilities, EngineInfo, EngineStats, GenerationRequest, SequenceOutput
-from trtserver.errors import ContextLengthExceeded, EngineError, InvalidRequest, Overloaded
+from trtserver.errors import ContextLengthExceeded, EngineError, InvalidRequest, Overloaded, Unsupported
 from trtserver.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -58,12 +59,17 @@ class TorchEngine:
         self.seed = seed
         self.core: Any = None
         self.runner: Any = None
+        self.adapters: AdapterRegistry | None = None
+        self.lora: Any = None  # LoraManager once loaded
+        if config.adapters_dir is not None:
+            self.adapters = AdapterRegistry(config.adapters_dir, max_rank=config.max_lora_rank)
         self._info = EngineInfo(
             model_name=config.served_model_name or self.manifest.get("served_model_name") or self.path.name,
             context_length=self.max_model_len,
             vocab_size=int(self.model_config["vocab_size"]),
             eos_token_ids=self._tokenizer.eos_token_ids,
-            capabilities=Capabilities(max_logprobs=max(20, config.max_logprobs)),
+            capabilities=Capabilities(max_logprobs=max(20, config.max_logprobs),
+                                      adapters=config.adapters_dir is not None),
             fingerprint_inputs={k: self.manifest[k] for k in ("served_model_name", "weights_sha256", "dtype",
                                                               "format", "format_version") if k in self.manifest},
             backend="torch",
@@ -114,9 +120,15 @@ class TorchEngine:
             if can_pack_for_cpu():
                 pack_for_cpu(model)
         self.dtype = dtype
+        if self.adapters is not None:
+            from trtserver.engine.torch.lora import LoraManager
+
+            self.lora = LoraManager(self.adapters, model.args, dtype, self.device)
+            self.lora.install(model)
         self.core = EngineCore(model, num_slots=self.config.max_batch_size, max_len=self.max_model_len,
                                chunk_size=self.config.prefill_chunk_size, eos_token_ids=self._info.eos_token_ids,
                                device=self.device, seed=self.seed)
+        self.core.lora = self.lora
         if self.device.type == "cuda" and self.config.cuda_graphs:
             from trtserver.engine.torch.graphs import capture_decode_graphs
 
@@ -141,6 +153,11 @@ class TorchEngine:
         if max(1, request.n) > self.config.max_batch_size:
             raise InvalidRequest(f"n={request.n} exceeds the engine's {self.config.max_batch_size} sequence slots",
                                  param="n")
+        if request.adapter is not None:  # 404 / 400 now, before the request is queued
+            if self.lora is None:
+                raise Unsupported("LoRA adapters are not enabled on this server; start it with --adapters-dir",
+                                  param="peft")
+            self.lora.get(request.adapter)
         if self.core.scheduler.num_waiting >= self.config.max_waiting:
             raise Overloaded("too many requests are waiting; retry later")
         return self.runner.generate(request, max(1, request.n))
