@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import typing
 from collections.abc import Sequence
 
 import msgspec
@@ -31,6 +32,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         text = str(kind)
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        elif typing.get_origin(kind) is typing.Literal:  # before the "int" test: Literal["int8", ...]
+            parser.add_argument(flag, choices=typing.get_args(kind), default=None)
         elif "list[str]" in text:
             parser.add_argument(flag, type=_list, default=None, help="comma-separated")
         elif "dict" in text:

@@ -36,7 +36,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_batch_size: Annotated[int, Meta(ge=1)] = 16
     max_model_len: Annotated[int, Meta(ge=1)] | None = None
     prefill_chunk_size: Annotated[int, Meta(ge=16)] = 512
-    threads: Annotated[int, Meta(ge=0)] = 0  # 0 = torch default
+    threads: Annotated[int, Meta(ge=0)] = 0  # 0 = all cores but one on CPU (the event loop's)
+    quantization: Literal["none", "int8", "int4"] = "none"  # weight-only, PyTorch engine on CPU
     cuda_graphs: bool = True
     # TensorRT-LLM engine
     tensor_parallel_size: Annotated[int, Meta(ge=1)] = 1

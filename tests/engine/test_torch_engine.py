@@ -303,12 +303,16 @@ async def test_refusals(engine: TorchEngine) -> None:
         engine.generate(GenerationRequest("wide", [1, 2], SamplingParams(), n=9))
 
 
-async def test_int4_weights_still_know_paris(smol_dir) -> None:  # type: ignore[no-untyped-def]
-    eng = TorchEngine.from_dir(smol_dir, quantize="int4", device="cpu", max_batch_size=2, max_model_len=128,
-                               threads=1)
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+async def test_quantized_weights_still_know_paris(smol_dir, kind: str) -> None:  # type: ignore[no-untyped-def]
+    eng = TorchEngine.from_dir(smol_dir, quantization=kind, device="cpu", max_batch_size=2, max_model_len=128,
+                               threads=1)  # the ServerConfig field
     await eng.start()
     try:
-        assert eng.dtype == torch.bfloat16
+        assert eng.dtype == torch.bfloat16 and eng.quantize == kind
         assert "Paris" in eng.tokenizer.decode(await greedy(eng, "The capital of France is", max_tokens=4))
+        # two rows at once still take the quantized kernel; the answer stays sensible
+        both = await asyncio.gather(*(greedy(eng, p, max_tokens=4) for p in PROMPTS[:2]))
+        assert "Paris" in eng.tokenizer.decode(both[0])
     finally:
         await eng.shutdown()

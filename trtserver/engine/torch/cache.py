@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 
@@ -11,13 +14,18 @@ class KVCache:
     Slot ``num_slots`` and position ``max_len`` are scratch: padded rows of a batch write there
     and nothing ever reads them, so the hot path needs no bounds checks. Zero-filled, so stale
     positions beyond a sequence's live length are finite and vanish under the attention mask.
+
+    On the CPU the zeros are an anonymous ``mmap``: untouched pages are the kernel's shared zero
+    page, so a 16-slot × 8192-position cache costs memory only for the positions sequences reach,
+    and allocating it takes no time (``torch.zeros`` writes every byte: ~6 GB at float32). Not
+    numpy's calloc: numpy asks for transparent huge pages, and one write would then cost 2 MB.
     """
 
     def __init__(self, n_layers: int, num_slots: int, n_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_slots + 1, n_kv_heads, max_len + 1, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.k = [_zeros(shape, dtype, device) for _ in range(n_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(n_layers)]
         self.num_slots = num_slots
         self.max_len = max_len
         self.scratch_slot = num_slots
@@ -40,3 +48,10 @@ class KVCache:
         src = torch.tensor([s for _, s in moves], device=self.k[0].device)
         for cache in (*self.k, *self.v):
             cache[dst, :, :length] = cache[src, :, :length]  # the read copies first, so overlaps are safe
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)  # the tensor keeps the map alive

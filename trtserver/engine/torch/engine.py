@@ -13,6 +13,7 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -33,10 +34,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class TorchEngine:
     def __init__(self, config: ServerConfig, *, seed: int | None = None, quantize: str | None = None) -> None:
-        """``quantize="int4"``: weight-only int4 for decode on the CPU (bfloat16 activations); not
-        yet a ServerConfig field, so the server runs unquantized weights."""
-        if quantize not in (None, "int4"):
-            raise ValueError(f"quantize={quantize!r}: only 'int4' is supported")
+        """``quantize`` ("none", "int8" or "int4"; default ``config.quantization``): weight-only int8
+        or int4 projections for decode on the CPU, with bfloat16 activations."""
+        quantize = quantize or config.quantization
+        if quantize not in ("none", "int8", "int4"):
+            raise ValueError(f"quantize={quantize!r}: one of 'none', 'int8', 'int4'")
+        quantize = None if quantize == "none" else quantize
         self.config = config
         self.quantize = quantize
         self.path = Path(config.engine_dir)
@@ -47,9 +50,9 @@ class TorchEngine:
         self._tokenizer = Tokenizer.from_dir(self.path)
         self.device = resolve_device(config.device)
         self.dtype: torch.dtype | None = None if config.dtype == "auto" else _DTYPES[config.dtype]
-        if quantize == "int4":
+        if quantize is not None:
             if self.device.type != "cpu" or self.dtype not in (None, torch.bfloat16):
-                raise ValueError("quantize='int4' needs device cpu and dtype bfloat16 (or auto)")
+                raise ValueError(f"quantize={quantize!r} needs device cpu and dtype bfloat16 (or auto)")
             self.dtype = torch.bfloat16
         if self.dtype is None and self.device.type == "cuda":
             self.dtype = torch.bfloat16
@@ -107,13 +110,15 @@ class TorchEngine:
 
         if self.config.threads > 0:
             torch.set_num_threads(self.config.threads)
+        elif self.device.type == "cpu":  # leave a core to the event loop (HTTP, tokenizing, streaming)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
         t0 = time.perf_counter()
         dtype = self.dtype or pick_cpu_dtype()
         model = load_model(self.path, dtype, self.device)
-        if self.quantize == "int4":
-            from trtserver.engine.torch.model import quantize_int4
+        if self.quantize is not None:
+            from trtserver.engine.torch.model import quantize_weights
 
-            quantize_int4(model)
+            quantize_weights(model, self.quantize)
         elif self.device.type == "cpu":
             from trtserver.engine.torch.model import can_pack_for_cpu, pack_for_cpu
 
