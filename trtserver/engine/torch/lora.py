@@ -125,7 +125,8 @@ class LoraManager:
     def install(self, model: Transformer) -> None:
         """Wrap every block's projections (after any packing or quantization of them)."""
         for i, layer in enumerate(model.layers):
-            attn, ff = layer.attention, layer.feed_forward
+            attn: Any = layer.attention
+            ff: Any = layer.feed_forward
             attn.wqkv = LoraLinear(attn.wqkv, self.batch, i, "wqkv")
             attn.wo = LoraLinear(attn.wo, self.batch, i, "wo")
             ff.w13 = LoraLinear(ff.w13, self.batch, i, "w13")
