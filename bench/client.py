@@ -8,6 +8,7 @@ says which. Every request has a time limit.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import statistics
 import time
@@ -154,8 +155,18 @@ async def completion_usage(base_url: str, model: str, prompt: str, max_tokens: i
     return int(msg["usage"]["completion_tokens"]), str(choice.get("finish_reason")), str(choice.get("text"))
 
 
+_counter = itertools.count()
+
+
+def unique(prompt: str) -> str:
+    """The prompt behind a per-request tag, so no server can reuse a previous request's KV cache for it
+    (llama-cpp-python keeps the last prompt's cache and reuses the longest common prefix)."""
+    return f"[request {next(_counter):05d}] {prompt}"
+
+
 async def run_load(base_url: str, model: str, prompt: str, max_tokens: int, streams: int, per_stream: int,
-                   *, extra: dict[str, Any] | None = None, timeout_s: float = 600.0) -> LoadResult:
+                   *, extra: dict[str, Any] | None = None, timeout_s: float = 600.0,
+                   fresh_prompts: bool = True) -> LoadResult:
     """``streams`` closed-loop workers, each sending ``per_stream`` requests back to back (bounded)."""
     connector = aiohttp.TCPConnector(limit=streams + 4)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
@@ -163,7 +174,8 @@ async def run_load(base_url: str, model: str, prompt: str, max_tokens: int, stre
         async def worker() -> list[StreamResult]:
             out = []
             for _ in range(per_stream):
-                out.append(await stream_completion(session, base_url, model, prompt, max_tokens, extra=extra,
+                text = unique(prompt) if fresh_prompts else prompt
+                out.append(await stream_completion(session, base_url, model, text, max_tokens, extra=extra,
                                                    timeout_s=timeout_s))
             return out
 

@@ -68,7 +68,7 @@ class ServerRun:
     cpu_s: dict[str, float] = field(default_factory=dict)  # the server's CPU seconds per scenario
     main_cpu_s: dict[str, float] = field(default_factory=dict)  # of which its main (event-loop) thread
     notes: list[str] = field(default_factory=list)
-    profile: str = ""
+    profile: dict[int, str] = field(default_factory=dict)  # streams -> py-spy summary
 
 
 def scenarios(args: argparse.Namespace) -> list[Scenario]:
@@ -219,22 +219,28 @@ async def drive(server: peers.Server, run: ServerRun, args: argparse.Namespace, 
               f"lat p50 {load.pct('latency_s', 50):6.2f} s p99 {load.pct('latency_s', 99):6.2f} s  "
               f"[{load.counted_by}]", flush=True)
     if ours and args.profile and args.device == "cpu" and time.monotonic() < deadline:
-        run.profile = await profile_round(server, model, extra, args)
+        for streams in (1, 16):
+            if time.monotonic() < deadline:
+                run.profile[streams] = await profile_round(server, model, extra, args, streams)
     run.rss_peak = server.peak_rss
 
 
-async def profile_round(server: peers.Server, model: str, extra: dict[str, Any], args: argparse.Namespace) -> str:
-    """An extra (unmeasured) 16-stream round with py-spy sampling our server."""
+async def profile_round(server: peers.Server, model: str, extra: dict[str, Any], args: argparse.Namespace,
+                        streams: int) -> str:
+    """An extra (unmeasured) round of ``streams`` streams with py-spy sampling our server."""
     exe = py_spy()
     if exe is None or server.proc is None:
         return "(py-spy not found: pip install py-spy into .cache/bench-llamacpp-venv)"
-    raw = peers.OUT / "ours-16streams.pyspy.txt"
+    raw = peers.OUT / f"ours-{streams}streams.pyspy.txt"
     duration = args.profile_seconds
     cmd = [exe, "record", "--pid", str(server.proc.pid), "--duration", str(duration), "--rate", "50",
            "--format", "raw", "--output", str(raw), "--nonblocking", "--threads"]
     spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        await run_load(server.base_url, model, SHORT, args.tokens, 16, 1, extra=extra, timeout_s=args.request_timeout)
+        # enough requests to cover the sampling window (py-spy stops by itself after `duration`)
+        per_stream = 3 if streams == 1 else 1
+        await run_load(server.base_url, model, SHORT, args.tokens, streams, per_stream, extra=extra,
+                       timeout_s=args.request_timeout)
         _, err = spy.communicate(timeout=duration + 30)
     except subprocess.TimeoutExpired:
         spy.kill()
@@ -532,9 +538,10 @@ def main(argv: list[str] | None = None) -> int:
                  "chunks = one SSE chunk per token)")
     lines.append("- ratio column: ours/peer; ↑ = higher is better, ↓ = lower is better. p99 over few samples is "
                  "the maximum.")
-    if ours.profile:
-        lines += ["", "py-spy of our server during an extra (unmeasured) 16-stream round:", "", "```",
-                  ours.profile, "```"]
+    for streams, text in ours.profile.items():
+        lines += ["", f"py-spy of our server during an extra (unmeasured) {streams}-stream round "
+                  f"(`py-spy record --nonblocking --threads --rate 50`, {args.profile_seconds} s):", "", "```",
+                  text, "```"]
     report = "\n".join(lines) + "\n"
     print("\n" + report, flush=True)
     if args.append:
