@@ -55,8 +55,8 @@ def make_adapter(base: Any, out_dir: Path, *, target_modules: list[str], r: int 
 
 @pytest.fixture(scope="module")
 def adapters(smol_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Two adapters in one directory, with transformers+peft's log-probabilities for PROMPT + a
-    continuation under each (and under none): ``{"dir": Path, "ref": {name: (ids, logprobs)}}``."""
+    """Two adapters in one directory, with transformers+peft's log-probabilities (merged weights) for
+    PROMPT + a greedy continuation under each (and under none): ``{"dir": Path, "ref": {name: (ids, logprobs)}}``."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     torch.set_num_threads(1)  # as the engines do: two OpenMP threads stall when the cores are shared
@@ -78,7 +78,9 @@ def adapters(smol_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
              "all": dict(target_modules=ALL_LINEAR, r=4, alpha=8, use_rslora=True, seed=2, b_scale=0.5)}
     for name, spec in specs.items():
         peft_model = make_adapter(base, root / name, **spec)  # type: ignore[arg-type]
+        peft_model.merge_adapter()  # the reference is the merged model: W + scale * B @ A
         refs[name] = reference(peft_model)
+        peft_model.unmerge_adapter()
         base = peft_model.unload()
     return {"dir": root, "ref": refs}
 
