@@ -212,7 +212,9 @@ class CompletionService:
     async def _engine_outputs(self, prepared: Prepared) -> AsyncIterator[tuple[int, SequenceOutput]]:
         """Every prompt's engine stream, interleaved as deltas arrive."""
         request = prepared.request
-        if request.max_tokens == 0 and all(r.sampling.prompt_logprobs is None for r in prepared.engine_requests):
+        if (request.max_tokens == 0 and request.peft is None
+                and all(r.sampling.prompt_logprobs is None for r in prepared.engine_requests)):
+            # echo only: nothing for the engine to compute (an adapter name still goes to the engine to be checked)
             for i, prompt in enumerate(prepared.prompts):
                 for s in range(prepared.engine_requests[i].n):
                     yield i, SequenceOutput(request_id="", index=s, token_ids=[], finish_reason="length",
