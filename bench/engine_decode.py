@@ -1,10 +1,11 @@
 """Decode speed of the PyTorch engine, in process: tokens/s at batch 1 and 16.
 
-Tokens per second of wall time, and per CPU second of the engine's worker thread: with
-``--threads 1`` all the model's work runs on that thread, so the second figure is what an
-otherwise idle core gives even while other processes share the machine.
+Tokens per second of wall time, and per CPU second of the whole process (every thread: the
+engine's worker, OpenMP's, the event loop): the second figure is what the work costs even while
+other processes share the machine, and the fairer one on a busy box.
 
-    .venv/bin/python bench/engine_decode.py [--dtype float32 bfloat16] [--batch 1 16] [--tokens 128]
+    .venv/bin/python bench/engine_decode.py [--dtype float32 bfloat16] [--batch 1 16] [--tokens 128] \
+        [--threads 1 2] [--quantize int8 int4]
 """
 
 from __future__ import annotations
@@ -32,10 +33,9 @@ async def run(engine: TorchEngine, batch: int, tokens: int, temperature: float) 
 
     await one(0)  # warm-up
     core = engine.core
-    clock = time.pthread_getcpuclockid(engine.runner._thread.ident)
-    t0, c0, d0 = time.perf_counter(), time.clock_gettime(clock), core.num_decode_forwards
+    t0, c0, d0 = time.perf_counter(), time.process_time(), core.num_decode_forwards
     total = sum(await asyncio.gather(*(one(i) for i in range(batch))))
-    elapsed, cpu = time.perf_counter() - t0, time.clock_gettime(clock) - c0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     steps = core.num_decode_forwards - d0
     return total / elapsed, elapsed / max(steps, 1) * 1000, total / cpu
 
@@ -47,19 +47,24 @@ async def main() -> None:
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--int4", action="store_true", help="also run bfloat16 with int4 weights")
+    ap.add_argument("--threads", type=int, nargs="+", default=[0], help="0: the engine's default (cores - 1)")
+    ap.add_argument("--quantize", nargs="*", default=[], choices=["int8", "int4"],
+                    help="also run bfloat16 with these weight-only quantizations")
+    ap.add_argument("--int4", action="store_true", help="same as --quantize int4")
     args = ap.parse_args()
-    runs = [(dtype, None) for dtype in args.dtype] + ([("bfloat16", "int4")] if args.int4 else [])
-    for dtype, quantize in runs:
-        engine = TorchEngine.from_dir(args.engine_dir, dtype=dtype, max_batch_size=max(args.batch),
-                                      max_model_len=1024, threads=args.threads, quantize=quantize)
-        await engine.start()
-        for batch in args.batch:
-            tps, ms, cpu_tps = await run(engine, batch, args.tokens, args.temperature)
-            print(f"{dtype + ('+int4' if quantize else ''):14s} batch {batch:3d}: {tps:7.1f} tokens/s  "
-                  f"({ms:.1f} ms/step wall; {cpu_tps:.1f} tokens per worker-thread CPU second)", flush=True)
-        await engine.shutdown()
+    quants = list(dict.fromkeys(args.quantize + (["int4"] if args.int4 else [])))
+    runs = [(dtype, None) for dtype in args.dtype] + [("bfloat16", q) for q in quants]
+    for threads in args.threads:
+        for dtype, quantize in runs:
+            engine = TorchEngine.from_dir(args.engine_dir, dtype=dtype, max_batch_size=max(args.batch),
+                                          max_model_len=1024, threads=threads, quantize=quantize)
+            await engine.start()
+            label = f"{dtype + ('+' + quantize if quantize else '')} t{threads}"
+            for batch in args.batch:
+                tps, ms, cpu_tps = await run(engine, batch, args.tokens, args.temperature)
+                print(f"{label:17s} batch {batch:3d}: {tps:7.1f} tokens/s  "
+                      f"({ms:.1f} ms/step wall; {cpu_tps:.1f} tokens per process CPU second)", flush=True)
+            await engine.shutdown()
 
 
 if __name__ == "__main__":

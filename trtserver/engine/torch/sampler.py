@@ -167,8 +167,11 @@ class Sampler:
             min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
             probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         cdf = probs.cumsum(dim=-1)  # (B, V)
-        # one uniform in (0, 1] per row, each from the row's own generator
-        u = 1.0 - torch.cat([torch.rand(1, device=dev, generator=seq.generator or self.generator) for seq in rows])
+        # one uniform in (0, 1] per row, each from the row's own generator (one draw when none is seeded)
+        if all(seq.generator is None for seq in rows):
+            u = 1.0 - torch.rand(len(rows), device=dev, generator=self.generator)
+        else:
+            u = 1.0 - torch.cat([torch.rand(1, device=dev, generator=seq.generator or self.generator) for seq in rows])
         ids = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1).clamp_(max=cdf.shape[1] - 1)
         if any(greedy):
             ids = torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), ids)
