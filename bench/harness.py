@@ -329,6 +329,7 @@ def build_table(ours: ServerRun, peer: ServerRun | None, extra_rows: list[tuple[
 
     p = peer
     add("start-up to ready (s)", ours.startup_s, p.startup_s if p else None, ".2f", "ours < 10 s", higher=False)
+    add("RSS when ready, idle (MiB)", ours.rss_idle / 2**20, p.rss_idle / 2**20 if p else None, ".0f", higher=False)
     add("RSS peak (MiB)", ours.rss_peak / 2**20, p.rss_peak / 2**20 if p else None, ".0f", "ours < 1536 MiB",
         higher=False)
     for name, load in ours.loads.items():
