@@ -1,0 +1,346 @@
+"""Soak: many concurrent clients for a bounded time against one real server, on loopback.
+
+    .venv/bin/python -m bench.soak                      # 60 s, 64 clients
+    .venv/bin/python -m bench.soak --seconds 20 --clients 16
+
+Every client loops until the deadline over four kinds of request (client i starts at kind i % 4):
+
+* ``stream``     streaming, ``stream_options.include_usage``; must end with ``data: [DONE]`` and its
+                 usage must match the tokens asked for (``ignore_eos``)
+* ``n2``         non-streaming, ``n=2``; two choices
+* ``logprobs``   non-streaming, ``logprobs=2``; one logprob per generated token
+* ``disconnect`` streaming, long; the client reads two chunks and drops the connection (deliberate)
+
+Checks (exit status 1 if any fails): zero errors (any non-200, or a transport error other than our
+deliberate disconnects, or a malformed answer), every completed stream ends with ``[DONE]``,
+server RSS growth < 5 % between the end of the warm-up and the end, and ``trtserver_running_sequences``
+(and the queue and KV slots) back to 0 shortly after the load stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parent.parent
+ENGINE_DIR = REPO / "engines" / "SmolLM2-135M-Instruct"
+KINDS = ("stream", "n2", "logprobs", "disconnect")
+PROMPTS = ("Write a short note about rivers.", "List three colours:", "The capital of France is",
+           "def fibonacci(n):", "Once upon a time, in a small village,", "Q: What is 7 times 6?\nA:")
+
+
+# --- a server subprocess --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerProcess:
+    def __init__(self, engine_dir: Path, flags: list[str], log_name: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"trtserver-{log_name}-{self.port}.log"
+        self._log = open(self.log_path, "wb")
+        self.command = [sys.executable, "-m", "trtserver.cli", "serve", str(engine_dir), "--engine", "torch",
+                        "--port", str(self.port), *flags]
+        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
+
+    async def wait_ready(self, timeout: float = 180.0) -> float:
+        t0 = time.monotonic()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            while time.monotonic() - t0 < timeout:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.process.returncode}; see {self.log_path}")
+                try:
+                    async with session.get(f"{self.base}/health") as response:
+                        if response.status == 200:
+                            return time.monotonic() - t0
+                except (aiohttp.ClientError, TimeoutError):
+                    pass
+                await asyncio.sleep(0.1)
+        raise TimeoutError(f"server not healthy after {timeout} s; see {self.log_path}")
+
+    def rss_mb(self) -> float:
+        text = Path(f"/proc/{self.process.pid}/status").read_text()
+        match = re.search(r"^VmRSS:\s+(\d+) kB", text, re.MULTILINE)
+        return int(match.group(1)) / 1024 if match else float("nan")
+
+    def stop(self) -> int | None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self._log.close()
+        return self.process.returncode
+
+
+async def scrape(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
+    """The unlabelled gauges and counters of /metrics."""
+    async with session.get(f"{base}/metrics") as response:
+        text = await response.text()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+async def wait_drained(base: str, timeout: float) -> tuple[float, dict[str, float]]:
+    """Seconds until running, waiting and KV slots all read 0 (or the last reading at ``timeout``)."""
+    t0 = time.monotonic()
+    names = ("trtserver_running_sequences", "trtserver_queue_depth", "trtserver_kv_slots_used")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while True:
+            values = await scrape(session, base)
+            if all(values.get(name) == 0 for name in names):
+                return time.monotonic() - t0, values
+            if time.monotonic() - t0 > timeout:
+                return float("inf"), values
+            await asyncio.sleep(0.1)
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+# --- the clients ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    done: collections.Counter[str] = field(default_factory=collections.Counter)
+    errors: collections.Counter[str] = field(default_factory=collections.Counter)
+    error_samples: list[str] = field(default_factory=list)
+    latency: dict[str, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
+    tokens: int = 0
+    streams_completed: int = 0
+    streams_with_done: int = 0
+
+    def error(self, kind: str, what: str) -> None:
+        self.errors[kind] += 1
+        if len(self.error_samples) < 10:
+            self.error_samples.append(f"{kind}: {what[:300]}")
+
+
+class Malformed(Exception):
+    pass
+
+
+async def sse_events(response: aiohttp.ClientResponse) -> collections.abc.AsyncIterator[str]:
+    async for raw in response.content:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            yield line[len("data: "):]
+
+
+async def run_stream(session: aiohttp.ClientSession, base: str, prompt: str, tally: Tally) -> None:
+    tokens = 16
+    body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with session.post(f"{base}/v1/completions", json=body) as response:
+        if response.status != 200:
+            raise Malformed(f"HTTP {response.status}: {(await response.text())[:200]}")
+        events = [event async for event in sse_events(response)]
+    tally.streams_completed += 1
+    if not events or events[-1] != "[DONE]":
+        raise Malformed(f"stream did not end with [DONE]: {events[-2:]}")
+    tally.streams_with_done += 1
+    chunks = [json.loads(event) for event in events[:-1]]
+    if any("error" in chunk for chunk in chunks):
+        raise Malformed(f"error chunk in stream: {chunks}")
+    if chunks[-1]["usage"]["completion_tokens"] != tokens:
+        raise Malformed(f"usage {chunks[-1]['usage']} != {tokens} tokens")
+    tally.tokens += tokens
+
+
+async def run_json(session: aiohttp.ClientSession, base: str, body: dict[str, object]) -> dict[str, object]:
+    async with session.post(f"{base}/v1/completions", json=body) as response:
+        if response.status != 200:
+            raise Malformed(f"HTTP {response.status}: {(await response.text())[:200]}")
+        return await response.json()  # type: ignore[no-any-return]
+
+
+async def run_n2(session: aiohttp.ClientSession, base: str, prompt: str, tally: Tally) -> None:
+    result = await run_json(session, base, {"prompt": prompt, "max_tokens": 12, "n": 2, "temperature": 0.8,
+                                            "ignore_eos": True})
+    choices = result["choices"]
+    if not isinstance(choices, list) or sorted(c["index"] for c in choices) != [0, 1]:
+        raise Malformed(f"n=2 answer: {result}")
+    tally.tokens += result["usage"]["completion_tokens"]  # type: ignore[index]
+
+
+async def run_logprobs(session: aiohttp.ClientSession, base: str, prompt: str, tally: Tally) -> None:
+    result = await run_json(session, base, {"prompt": prompt, "max_tokens": 12, "logprobs": 2, "ignore_eos": True})
+    logprobs = result["choices"][0]["logprobs"]  # type: ignore[index]
+    if len(logprobs["tokens"]) != 12 or len(logprobs["top_logprobs"]) != 12:
+        raise Malformed(f"logprobs answer: {logprobs}")
+    tally.tokens += 12
+
+
+async def run_disconnect(session: aiohttp.ClientSession, base: str, prompt: str, tally: Tally) -> None:
+    body = {"prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    response = await session.post(f"{base}/v1/completions", json=body)
+    try:
+        if response.status != 200:
+            raise Malformed(f"HTTP {response.status}: {(await response.text())[:200]}")
+        seen = 0
+        async for _ in sse_events(response):
+            seen += 1
+            if seen == 2:
+                break
+        if seen < 2:
+            raise Malformed("stream ended before two chunks")
+    finally:
+        response.close()  # drop the connection mid-stream (deliberately)
+
+
+RUNNERS = {"stream": run_stream, "n2": run_n2, "logprobs": run_logprobs, "disconnect": run_disconnect}
+
+
+async def client(index: int, base: str, deadline: float, tally: Tally, request_timeout: float) -> None:
+    step = index
+    # one connection per client (as separate users would have); a disconnect forces a fresh one
+    connector = aiohttp.TCPConnector(limit=1)
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=request_timeout)) as session:
+        while time.monotonic() < deadline:
+            kind = KINDS[step % len(KINDS)]
+            prompt = PROMPTS[step % len(PROMPTS)]
+            step += 1
+            t0 = time.monotonic()
+            try:
+                await RUNNERS[kind](session, base, prompt, tally)
+            except Malformed as exc:
+                tally.error(kind, str(exc))
+            except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, KeyError, TypeError) as exc:
+                tally.error(kind, f"{type(exc).__name__}: {exc}")
+            else:
+                tally.done[kind] += 1
+                tally.latency[kind].append(time.monotonic() - t0)
+
+
+# --- the run ----------------------------------------------------------------------------------------
+
+
+async def soak(args: argparse.Namespace) -> int:
+    flags = ["--max-model-len", "256", "--max-batch-size", str(args.max_batch_size), *args.server_flag]
+    server = ServerProcess(Path(args.engine_dir), flags, "soak")
+    try:
+        startup = await server.wait_ready()
+        print(f"server ready in {startup:.1f} s: {' '.join(server.command[1:])}", flush=True)
+        tally = Tally()
+        start = time.monotonic()
+        deadline = start + args.seconds
+        warm_end = start + args.warmup
+        rss: list[tuple[float, float]] = [(0.0, server.rss_mb())]
+        tasks = [asyncio.create_task(client(i, server.base, deadline, tally, args.request_timeout))
+                 for i in range(args.clients)]
+        rss_warm = float("nan")
+        while not all(task.done() for task in tasks):
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            rss.append((now - start, server.rss_mb()))
+            if rss_warm != rss_warm and now >= warm_end:  # nan until the warm-up ends
+                rss_warm = rss[-1][1]
+            if now > deadline + args.request_timeout + 30:
+                for task in tasks:
+                    task.cancel()
+                tally.error("harness", "clients still running long after the deadline")
+                break
+        await asyncio.gather(*tasks, return_exceptions=True)
+        wall = time.monotonic() - start
+        rss_end = server.rss_mb()
+        drained_s, gauges = await wait_drained(server.base, timeout=args.drain_timeout)
+        async with aiohttp.ClientSession() as session:
+            counters = await scrape(session, server.base)
+        code = server.stop()
+    finally:
+        server.stop()
+
+    growth = (rss_end - rss_warm) / rss_warm * 100
+    completed = sum(tally.done.values())
+    errors = sum(tally.errors.values())
+    print()
+    print(f"soak: {args.clients} clients, {args.seconds:.0f} s (+{wall - args.seconds:.1f} s to finish the last "
+          f"requests), warm-up {args.warmup:.0f} s, --max-batch-size {args.max_batch_size}, load avg "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print()
+    print(f"| {'kind':10} | {'ok':>6} | {'errors':>6} | {'p50 s':>7} | {'p95 s':>7} | {'max s':>7} |")
+    print(f"|{'-' * 12}|{'-' * 8}|{'-' * 8}|{'-' * 9}|{'-' * 9}|{'-' * 9}|")
+    for kind in KINDS:
+        lat = tally.latency[kind]
+        print(f"| {kind:10} | {tally.done[kind]:6d} | {tally.errors[kind]:6d} | {pct(lat, 50):7.2f} | "
+              f"{pct(lat, 95):7.2f} | {max(lat, default=float('nan')):7.2f} |")
+    print(f"| {'all':10} | {completed:6d} | {errors:6d} | {'':7} | {'':7} | {'':7} |")
+    print()
+    print(f"requests/s {completed / wall:.1f}; tokens of checked answers/s {tally.tokens / wall:.1f}")
+    print(f"streams completed {tally.streams_completed}, ending with [DONE] {tally.streams_with_done}")
+    print(f"server RSS MiB: start {rss[0][1]:.0f}, warm-up end {rss_warm:.0f}, end {rss_end:.0f} "
+          f"(growth {growth:+.2f} %), max {max(r for _, r in rss):.0f}")
+    every = max(1, len(rss) // 12)
+    print("server RSS MiB over time: " + ", ".join(f"{t:.0f}s {r:.0f}" for t, r in rss[::every]))
+    print(f"after the load: running/queue/KV slots "
+          f"{gauges.get('trtserver_running_sequences')}/{gauges.get('trtserver_queue_depth')}/"
+          f"{gauges.get('trtserver_kv_slots_used')}, back to 0 in {drained_s:.2f} s")
+    statuses = {k: v for k, v in counters.items() if k.startswith("trtserver_requests_total")}
+    print(f"server-side request counts: {statuses}")
+    print(f"server exit code on SIGTERM: {code}")
+    for sample in tally.error_samples:
+        print("  error:", sample)
+
+    checks = {
+        "zero errors": errors == 0,
+        "every completed stream ends with [DONE]": tally.streams_completed == tally.streams_with_done > 0,
+        "every kind completed": all(tally.done[kind] > 0 for kind in KINDS),
+        "RSS growth < 5 % after warm-up": growth < 5.0,
+        "running sequences back to 0": drained_s <= args.drain_timeout,
+        "clean exit on SIGTERM": code == 0,
+    }
+    print()
+    for name, passed in checks.items():
+        print(f"  {'PASS' if passed else 'FAIL'}  {name}")
+    return 0 if all(checks.values()) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--warmup", type=float, default=None, help="seconds (default: a quarter of --seconds)")
+    parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--request-timeout", type=float, default=180.0)
+    parser.add_argument("--drain-timeout", type=float, default=5.0,
+                        help="how long running sequences may take to reach 0 after the load")
+    parser.add_argument("--engine-dir", default=str(ENGINE_DIR))
+    parser.add_argument("--server-flag", action="append", default=[], help="extra `trtserver serve` flag (repeat)")
+    args = parser.parse_args(argv)
+    if args.warmup is None:
+        args.warmup = args.seconds / 4
+    return asyncio.run(soak(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
