@@ -26,6 +26,10 @@ class KVCache:
         shape = (num_slots + 1, n_kv_heads, max_len + 1, head_dim)
         self.k = [_zeros(shape, dtype, device) for _ in range(n_layers)]
         self.v = [_zeros(shape, dtype, device) for _ in range(n_layers)]
+        # one layer's worth of dense K and V, reused by every layer's decode attention (see ForwardContext.dense)
+        on_cpu = torch.device(device).type == "cpu"
+        self.dense = (_zeros((math.prod(shape),), dtype, device), _zeros((math.prod(shape),), dtype, device)) \
+            if on_cpu else None
         self.num_slots = num_slots
         self.max_len = max_len
         self.scratch_slot = num_slots

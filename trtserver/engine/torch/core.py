@@ -33,6 +33,7 @@ class EngineCore:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sampler = Sampler(args.vocab_size, tuple(eos_token_ids), device, seed)
         self._positions = torch.arange(max_len + 1, device=device)
+        self._dense = self.cache.dense if dtype == torch.bfloat16 else None  # CPU only (None on CUDA)
         self._dirty: dict[Sequence, None] = {}  # sequences with something to report, in order
         self.num_prefill_forwards = 0  # observability (and the tests' spy)
         self.num_decode_forwards = 0
@@ -183,7 +184,8 @@ class EngineCore:
             mask = None
             if min(positions) + 1 != length:
                 mask = (self._positions[:length] <= pos).view(B, 1, 1, length)  # (B, 1, 1, L)
-            ctx = ForwardContext(pos, torch.tensor(slots, device=self.device), _contiguous(slots), length, mask)
+            ctx = ForwardContext(pos, torch.tensor(slots, device=self.device), _contiguous(slots), length, mask,
+                                 dense=self._dense)
             hidden = self.model(tokens, ctx, self.cache)  # (B, 1, dim)
             logits = self.model.logits(hidden[:, 0])  # (B, V)
         self.num_decode_forwards += 1
