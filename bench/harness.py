@@ -444,7 +444,11 @@ def main(argv: list[str] | None = None) -> int:
         ours_extra += ["--max-batch-size", "64"]
     ours = ServerRun("ours")
     server = peers.ours(engine_dir, peers.free_port(), device=args.device, extra=ours_extra)
-    run_server(server, ours, args, True, deadline)
+    try:
+        run_server(server, ours, args, True, deadline)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"[bench] our server did not start: {exc}\n{server.log_text()[-2000:]}", file=sys.stderr)
+        return 1
     dtype = args.ours_dtype
     ours.notes.append(f"ours: `{' '.join(server.cmd)}` (dtype {dtype})")
 
