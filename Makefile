@@ -38,6 +38,9 @@ lint: install
 	$(VENV)/bin/ruff check trtserver build_engines plugins tests bench
 	$(VENV)/bin/mypy trtserver build_engines
 
+bench: engines
+	$(PY) -m bench.harness $(BENCH_ARGS)
+
 gpu-check: install
 	$(PY) bench/gpu_check.py
 
