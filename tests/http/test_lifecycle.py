@@ -249,6 +249,28 @@ async def test_waiting_queue_bound_simultaneous_burst(shared: tuple[Server, list
     await wait_idle(server.base)
 
 
+async def test_concurrent_requests_with_the_same_x_request_id(shared: tuple[Server, list, list]) -> None:
+    """X-Request-Id is the client's label (logs, response id): two requests that reuse one must both be served."""
+    server = shared[0]
+    await wait_idle(server.base)
+    body = {"prompt": "Hi", "max_tokens": 8, "ignore_eos": True}
+
+    async def one(session: aiohttp.ClientSession) -> tuple[int, object]:
+        async with session.post(f"{server.base}/v1/completions", json=body,
+                                headers={"X-Request-Id": "client-chosen-id"}) as response:
+            return response.status, await response.json(content_type=None)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        results = await asyncio.wait_for(asyncio.gather(one(session), one(session)), 90)
+    # neither may be a 500 (a 503 "overloaded" would be the waiting-queue bound, which is fine)
+    statuses = [status for status, _ in results]
+    assert all(status in (200, 503) for status in statuses) and 200 in statuses, results
+    for status, body in results:
+        if status == 503:
+            assert assert_envelope(body)["type"] == "server_overloaded"
+    await wait_idle(server.base)
+
+
 # --- SIGTERM ---------------------------------------------------------------------------------------
 
 
