@@ -319,8 +319,9 @@ async def test_sigterm_exits_after_grace_even_with_a_long_request(engine_dir: Pa
             t0 = time.monotonic()
             code = await asyncio.to_thread(server.process.wait, 30)
             elapsed = time.monotonic() - t0
-            # 1 s grace + aiohttp's 1 s shutdown timeout + one engine step; a hang would be 10+ s
-            assert elapsed < 6.0, elapsed
+            # 1 s grace + aiohttp's 1 s shutdown timeout + one engine step + interpreter exit; waiting for the
+            # whole 250-token answer instead would also end the stream with [DONE] (checked below)
+            assert elapsed < 8.0, elapsed
             assert code == 0
             # the client is not left hanging either: its stream ends (cut short, no [DONE])
             rest = await asyncio.wait_for(_drain_lines(lines), 10)
