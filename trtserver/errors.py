@@ -85,6 +85,11 @@ class Overloaded(APIError):
     type = "server_overloaded"
     code = "overloaded"
 
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message, param=param, code=code, headers=headers)
+        self.headers.setdefault("Retry-After", "1")  # a 503 always tells the client when to come back
+
 
 class RequestTimeout(APIError):
     status = 504

@@ -26,6 +26,14 @@ def openapi_document() -> dict[str, Any]:
     (request, response, error, models), components = msgspec.json.schema_components(
         [CompletionRequest, CompletionResponse, ErrorResponse, ModelList],
         ref_template="#/components/schemas/{name}")
+    # msgspec can only say "an array of (string | int | [int])"; the server takes one kind per array
+    components["CompletionRequest"]["properties"]["prompt"] = {"anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
+                                    "minItems": 1}, "minItems": 1},
+    ]}
     return {
         "openapi": "3.1.0",
         "info": {"title": "trtserver", "version": __version__,

@@ -210,6 +210,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return result
     finally:
         state.in_flight -= 1
+        service.release(prepared.sequences)
         if context.service_tier == "flex":
             service.flex_in_flight -= 1
         await _account(state, service, prepared)
@@ -232,7 +233,8 @@ async def _account(state: ServerState, service: CompletionService, prepared: Pre
     now = time.monotonic()
     if state.metrics is not None:
         ttft = None if prepared.first_token_at is None else prepared.first_token_at - prepared.started_at
-        state.metrics.observe_request(status=200, tier=prepared.context.service_tier,
+        # 499: the client went away (or the stream failed) before the end; still counted and charged
+        state.metrics.observe_request(status=200 if prepared.completed else 499, tier=prepared.context.service_tier,
                                       prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                                       ttft_s=ttft, total_s=now - prepared.started_at)
     if prepared.counted:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import pluggy
@@ -53,6 +54,8 @@ class Prepared:
     usage: Usage | None = None  # set when the run ends, however it ends
     started_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    sequences: int = 1  # reserved in the waiting bound until the request ends
+    completed: bool = False  # False: the client went away or it failed
 
 
 class CompletionService:
@@ -67,15 +70,35 @@ class CompletionService:
         self.info = engine.info
         self.quota_store: QuotaStore = quota_store or MemoryQuotaStore()
         self.flex_in_flight = 0
+        # sequences of admitted requests; beyond the engine's slots they wait. Counted here, at
+        # admission, because the engine only sees a request once its worker picks it up.
+        self.admitted_sequences = 0
 
     # --- preparing -------------------------------------------------------------------------
 
     async def prepare(self, request: CompletionRequest, context: RequestContext) -> Prepared:
         params.check_model(request, self.model_name)
         params.check_limits(request, self.config, self.info)
-        stats = self.engine.stats()
-        if stats.waiting >= self.config.max_waiting:
-            raise Overloaded("too many requests are waiting; retry shortly", headers={"Retry-After": "1"})
+        sequences = (request.best_of or request.n) * len(request.prompts)
+        self._admit(sequences)
+        try:
+            return await self._prepare(request, context, sequences)
+        except BaseException:
+            self.release(sequences)
+            raise
+
+    def _admit(self, sequences: int) -> None:
+        """Reserve room in the bounded waiting queue, or refuse with 503 (no await in between)."""
+        slots = self.engine.stats().slots_total
+        waiting = max(self.admitted_sequences - slots, 0) if slots else self.engine.stats().waiting
+        if waiting >= self.config.max_waiting and self.admitted_sequences + sequences > slots:
+            raise Overloaded("too many requests are waiting; retry shortly")
+        self.admitted_sequences += sequences
+
+    def release(self, sequences: int) -> None:
+        self.admitted_sequences -= sequences
+
+    async def _prepare(self, request: CompletionRequest, context: RequestContext, sequences: int) -> Prepared:
         tier = await decide_tier(request.service_tier, context.query.get("ai_project_id"), context.api_key,
                                  self.config, self.quota_store, self.flex_in_flight, self.config.max_flex_waiting)
         context.service_tier = tier.tier
@@ -104,10 +127,11 @@ class CompletionService:
         if stop_strings:
             stops.insert(0, lambda: StopStrings(stop_strings))
         response_id = f"cmpl-{request.request_id or context.request_id}"
+        engine_id = new_request_id()  # clients may reuse X-Request-Id; engine ids must be unique
         priority = params.engine_priority(request, tier.priority)
         engine_requests = [
             GenerationRequest(
-                request_id=f"{context.request_id}-{i}",
+                request_id=f"{engine_id}-{i}",
                 prompt_token_ids=prompt.token_ids,
                 sampling=sampling,
                 n=width,
@@ -126,7 +150,7 @@ class CompletionService:
                 for param, reason in check(engine_request):
                     raise Unsupported(reason, param=_sent_param(request, param))
         return Prepared(request, context, response_id, int(time.time()), prompts, engine_requests, stops,
-                        counted=tier.counted)
+                        counted=tier.counted, sequences=sequences)
 
     async def _guided_decoder(self, spec: GuideSpec, backend: str) -> GuidedDecoder:
         if not self.info.capabilities.guided_decoding:
@@ -167,13 +191,14 @@ class CompletionService:
         """What a streaming client gets: chunks, then a usage chunk when asked."""
         request = prepared.request
         choices = self._choices(prepared)
-        async for chunk in self._chunks(prepared, choices):
-            yield chunk
+        async with aclosing(self._chunks(prepared, choices)) as chunks:
+            async for chunk in chunks:
+                yield chunk
         if request.stream_options is not None and request.stream_options.include_usage:
             yield self._chunk(prepared, [], self.usage(prepared, choices.values()))
 
     async def _chunks(self, prepared: Prepared, choices: dict[tuple[int, int], ChoiceState]
-                      ) -> AsyncIterator[CompletionResponse]:
+                      ) -> AsyncGenerator[CompletionResponse, None]:
         """Chunks, one choice each; closing this early aborts the engine requests."""
         request = prepared.request
         namer = TokenNamer(self.tokenizer, request.return_tokens_as_token_ids)
@@ -181,35 +206,45 @@ class CompletionService:
         continuous = options is not None and options.include_usage and options.continuous_usage_stats
         # best_of > n and beam search are collected and ranked: keep every sequence apart until then
         stride = request.n if request.stream else (request.best_of or request.n)
+        try:
+            async with aclosing(self._chunk_loop(prepared, choices, namer, stride, continuous)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            prepared.completed = True
+        finally:
+            prepared.usage = self.usage(prepared, choices.values())
+
+    async def _chunk_loop(self, prepared: Prepared, choices: dict[tuple[int, int], ChoiceState], namer: TokenNamer,
+                          stride: int, continuous: bool) -> AsyncGenerator[CompletionResponse, None]:
         remaining = len(choices)
         # the engine sends a prompt's logprobs once (with its first sequence); every choice echoes them
         prompt_scores: dict[int, PromptScores] = {}
-        async for prompt_index, delta in self._engine_outputs(prepared):
-            if delta.prompt_token_logprobs is not None:
-                prompt_scores[prompt_index] = PromptScores(
-                    delta.prompt_token_logprobs,
-                    delta.prompt_logprobs or [None] * len(delta.prompt_token_logprobs))
-            choice = choices.get((prompt_index, delta.index))
-            if choice is None or choice.finished:
-                continue
-            piece = self._chunk_choice(prepared, choice, delta, namer, stride, prompt_scores.get(prompt_index))
-            if choice.finished:
-                remaining -= 1
-                if delta.finish_reason is None:  # we stopped it (stop string): free it in the engine now
-                    self.engine.abort(prepared.engine_requests[prompt_index].request_id, delta.index)
-            if piece is not None:
-                if prepared.first_token_at is None:
-                    prepared.first_token_at = time.monotonic()
-                usage = None
-                if continuous:
-                    usage = Usage(choice.prompt_tokens, choice.completion_tokens,
-                                  choice.prompt_tokens + choice.completion_tokens)
-                yield self._chunk(prepared, [piece], usage)
-            if remaining == 0:
-                break
-        prepared.usage = self.usage(prepared, choices.values())
+        async with aclosing(self._engine_outputs(prepared)) as outputs:
+            async for prompt_index, delta in outputs:
+                if delta.prompt_token_logprobs is not None:
+                    prompt_scores[prompt_index] = PromptScores(
+                        delta.prompt_token_logprobs,
+                        delta.prompt_logprobs or [None] * len(delta.prompt_token_logprobs))
+                choice = choices.get((prompt_index, delta.index))
+                if choice is None or choice.finished:
+                    continue
+                piece = self._chunk_choice(prepared, choice, delta, namer, stride, prompt_scores.get(prompt_index))
+                if choice.finished:
+                    remaining -= 1
+                    if delta.finish_reason is None:  # we stopped it (stop string): free it in the engine now
+                        self.engine.abort(prepared.engine_requests[prompt_index].request_id, delta.index)
+                if piece is not None:
+                    if prepared.first_token_at is None:
+                        prepared.first_token_at = time.monotonic()
+                    usage = None
+                    if continuous:
+                        usage = Usage(choice.prompt_tokens, choice.completion_tokens,
+                                      choice.prompt_tokens + choice.completion_tokens)
+                    yield self._chunk(prepared, [piece], usage)
+                if remaining == 0:
+                    break
 
-    async def _engine_outputs(self, prepared: Prepared) -> AsyncIterator[tuple[int, SequenceOutput]]:
+    async def _engine_outputs(self, prepared: Prepared) -> AsyncGenerator[tuple[int, SequenceOutput], None]:
         """Every prompt's engine stream, interleaved as deltas arrive."""
         request = prepared.request
         if (request.max_tokens == 0 and request.peft is None
@@ -328,13 +363,14 @@ class CompletionService:
         request = prepared.request
         states = self._choices(prepared)
         merged: dict[int, CompletionChoice] = {}
-        async for chunk in self._chunks(prepared, states):
-            for piece in chunk.choices:
-                current = merged.get(piece.index)
-                if current is None:
-                    merged[piece.index] = piece
-                else:
-                    _append(current, piece)
+        async with aclosing(self._chunks(prepared, states)) as chunks:
+            async for chunk in chunks:
+                for piece in chunk.choices:
+                    current = merged.get(piece.index)
+                    if current is None:
+                        merged[piece.index] = piece
+                    else:
+                        _append(current, piece)
         width = request.best_of or request.n
         if width > request.n or request.use_beam_search:
             merged = _keep_best(merged, states, request.n, width)

@@ -203,14 +203,18 @@ def test_streamed_logprobs_and_echo(http: httpx.Client) -> None:
 # --- special tokens, suffix ----------------------------------------------------------------------
 
 def test_special_tokens_handling(http: httpx.Client) -> None:
-    prompt = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"
-    body = post(http, prompt=prompt, max_tokens=40, temperature=0, ignore_eos=True, min_tokens=0,
-                skip_special_tokens=False, stop_token_ids=[1])
-    assert "<|im_end|>" in body["choices"][0]["text"]
-    plain = post(http, prompt=prompt, max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[1])
-    assert "<|im_end|>" not in plain["choices"][0]["text"]
+    # force "Hi" then <|im_end|> (id 2) twice: EOS is ignored so the special token stays in the output
+    hi = post(http, prompt="x", max_tokens=1, temperature=0, return_token_ids=True)
+    forced = {"logit_bias": {"2": 100}, "ignore_eos": True, "max_tokens": 2, "temperature": 0}
+    kept = post(http, prompt="Say", skip_special_tokens=False, **forced)["choices"][0]["text"]
+    assert kept == "<|im_end|> <|im_end|>"
+    tight = post(http, prompt="Say", skip_special_tokens=False, spaces_between_special_tokens=False,
+                 **forced)["choices"][0]["text"]
+    assert tight == "<|im_end|><|im_end|>"
+    assert post(http, prompt="Say", **forced)["choices"][0]["text"] == ""
     with_bos = post(http, prompt="Hi", max_tokens=1, add_special_tokens=True, return_token_ids=True)
     assert with_bos["choices"][0]["prompt_token_ids"][0] != 1  # SmolLM2 adds no BOS (add_bos_token false)
+    assert hi["choices"][0]["token_ids"]
 
 
 def test_suffix_is_refused_without_fim_tokens(http: httpx.Client) -> None:
