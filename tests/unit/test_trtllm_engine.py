@@ -3,26 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.standins import harness
 from trtserver.config import ServerConfig
 from trtserver.engine.base import GenerationRequest, Priority, SamplingParams, SequenceOutput
 from trtserver.engine.trtllm_version import Generation
 from trtserver.errors import Unsupported
 
-_spec = importlib.util.spec_from_file_location(
-    "trtllm_standin_harness", Path(__file__).resolve().parents[1] / "standins" / "harness.py"
-)
-assert _spec is not None and _spec.loader is not None
-harness = sys.modules.get("trtllm_standin_harness") or importlib.util.module_from_spec(_spec)
-if "trtllm_standin_harness" not in sys.modules:
-    sys.modules["trtllm_standin_harness"] = harness
-    _spec.loader.exec_module(harness)
 standin = harness.standin
 
 VERSIONS = {"v1": "1.2.0", "v0": "0.16.0", "jetson": "0.12.0"}

@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import pickle
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.standins import harness
 from trtserver.engine.base import GenerationRequest, Priority, SamplingParams, SequenceOutput
 from trtserver.engine.trtllm_mapping import RULES, Kind, refusals, render_markdown, splice_doc
 from trtserver.engine.trtllm_stream import StreamTranslator, split_logprob
 from trtserver.engine.trtllm_version import Generation, detect
 
-_spec = importlib.util.spec_from_file_location(
-    "trtllm_standin_harness", Path(__file__).resolve().parents[1] / "standins" / "harness.py"
-)
-assert _spec is not None and _spec.loader is not None
-harness = sys.modules.get("trtllm_standin_harness") or importlib.util.module_from_spec(_spec)
-if "trtllm_standin_harness" not in sys.modules:
-    sys.modules["trtllm_standin_harness"] = harness
-    _spec.loader.exec_module(harness)
 standin = harness.standin
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.standins import harness
 from trtserver.config import ServerConfig
 from trtserver.engine.trtllm_version import (
     Generation,
@@ -19,14 +19,6 @@ from trtserver.engine.trtllm_version import (
     parse_release,
 )
 
-_spec = importlib.util.spec_from_file_location(
-    "trtllm_standin_harness", Path(__file__).resolve().parents[1] / "standins" / "harness.py"
-)
-assert _spec is not None and _spec.loader is not None
-harness = sys.modules.get("trtllm_standin_harness") or importlib.util.module_from_spec(_spec)
-if "trtllm_standin_harness" not in sys.modules:
-    sys.modules["trtllm_standin_harness"] = harness
-    _spec.loader.exec_module(harness)
 standin = harness.standin
 
 
