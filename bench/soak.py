@@ -245,12 +245,32 @@ async def client(index: int, base: str, deadline: float, tally: Tally, request_t
 # --- the run ----------------------------------------------------------------------------------------
 
 
+async def prime_kv_cache(base: str, slots: int, context: int) -> float:
+    """Fill every KV slot to the full context once. The cache is allocated as untouched zero pages,
+    so its RSS grows as positions are first written; priming makes that growth happen before the
+    measurement, so what is left is growth the load itself causes."""
+    body = {"prompt": "Once upon a time", "max_tokens": context - 8, "ignore_eos": True, "temperature": 0}
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+
+        async def one() -> None:
+            async with session.post(f"{base}/v1/completions", json=body) as response:
+                response.raise_for_status()
+                await response.read()
+
+        await asyncio.gather(*(one() for _ in range(slots)))
+    return time.monotonic() - t0
+
+
 async def soak(args: argparse.Namespace) -> int:
     flags = ["--max-model-len", "256", "--max-batch-size", str(args.max_batch_size), *args.server_flag]
     server = ServerProcess(Path(args.engine_dir), flags, "soak")
     try:
         startup = await server.wait_ready()
         print(f"server ready in {startup:.1f} s: {' '.join(server.command[1:])}", flush=True)
+        rss_ready = server.rss_mb()
+        primed = await prime_kv_cache(server.base, args.max_batch_size, 256)
+        print(f"KV cache primed in {primed:.1f} s: RSS {rss_ready:.0f} -> {server.rss_mb():.0f} MiB", flush=True)
         tally = Tally()
         start = time.monotonic()
         deadline = start + args.seconds
