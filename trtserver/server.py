@@ -221,7 +221,7 @@ async def _with_timeout(coro: Awaitable[T], timeout_s: float | None) -> T:
         return await coro
     try:
         return await asyncio.wait_for(coro, timeout_s)
-    except TimeoutError as exc:
+    except asyncio.TimeoutError as exc:  # an alias of TimeoutError from 3.11; distinct on 3.10
         raise errors.RequestTimeout(f"the request took longer than {timeout_s} s") from exc
 
 
@@ -242,23 +242,37 @@ async def _account(state: ServerState, service: CompletionService, prepared: Pre
         await await_me_maybe(service.quota_store.add_tokens(project, usage.total_tokens, now))
 
 
+class _Deadline:
+    """``--request-timeout-s`` for a stream: each chunk must come before the request's deadline."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        self.at = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+
+    async def next(self, chunks: AsyncIterator[CompletionResponse]) -> CompletionResponse | None:
+        try:
+            if self.at is None:
+                return await anext(chunks)
+            return await asyncio.wait_for(anext(chunks), max(self.at - asyncio.get_running_loop().time(), 0))
+        except StopAsyncIteration:
+            return None
+        except asyncio.TimeoutError as exc:  # an alias of TimeoutError from 3.11; distinct on 3.10
+            raise errors.RequestTimeout(f"the request took longer than {self.timeout_s} s") from exc
+
+
 async def _stream(request: web.Request, service: CompletionService, prepared: Prepared) -> web.StreamResponse:
     chunks = service.stream(prepared)
     collected = _Collector(prepared)
+    deadline = _Deadline(_state(request).config.request_timeout_s)
     # the first chunk is produced before the headers go out, so early errors are plain 4xx/5xx
-    try:
-        first = await anext(chunks)
-    except StopAsyncIteration:
-        first = None
+    chunk = await deadline.next(chunks)
     response = web.StreamResponse(headers={**SSE_HEADERS, **prepared.context.response_headers})
     await response.prepare(request)
     try:
-        if first is not None:
-            collected.add(first)
-            await response.write(b"data: " + encoder.encode(first) + b"\n\n")
-        async for chunk in chunks:
+        while chunk is not None:
             collected.add(chunk)
             await response.write(b"data: " + encoder.encode(chunk) + b"\n\n")
+            chunk = await deadline.next(chunks)
     except errors.APIError as exc:
         await response.write(b"data: " + encoder.encode(exc.envelope()) + b"\n\n")
     except (ConnectionResetError, asyncio.CancelledError):

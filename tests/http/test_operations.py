@@ -82,3 +82,27 @@ async def test_waiting_queue_bound(trtserver_client_factory: Any) -> None:
     client = await trtserver_client_factory(max_waiting=1)
     # nothing waits while idle, so a single request is served
     assert (await client.post("/v1/completions", json=BODY)).status == 200
+
+
+async def test_request_timeout_and_prompt_limit(trtserver_client_factory: Any) -> None:
+    client = await trtserver_client_factory(request_timeout_s=0.05, max_prompt_tokens=8)
+    slow = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 400, "ignore_eos": True})
+    assert slow.status == 504
+    assert (await slow.json())["error"]["type"] == "timeout_error"
+    long_prompt = await client.post("/v1/completions", json={"prompt": "word " * 20, "max_tokens": 1})
+    assert long_prompt.status == 400
+    assert (await long_prompt.json())["error"]["param"] == "prompt"
+    # the server is still fine afterwards, and the timed-out request freed its slot
+    stats = await (await client.get("/metrics")).text()
+    assert "trtserver_requests_total" in stats
+
+
+async def test_streamed_request_timeout_ends_with_error_event(trtserver_client_factory: Any) -> None:
+    client = await trtserver_client_factory(request_timeout_s=1.0)
+    response = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1000, "ignore_eos": True,
+                                                           "stream": True})
+    assert response.status == 200
+    events = [line for line in (await response.text()).splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert '"timeout_error"' in events[-2]
+    assert len(events) > 3  # some tokens arrived before the deadline

@@ -11,6 +11,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -93,8 +94,9 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        self.wqkv = nn.Linear(args.dim, qkv_dim, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        # nn.Module: swapped for packed or quantized linears after loading
+        self.wqkv: nn.Module = nn.Linear(args.dim, qkv_dim, bias=args.qkv_bias)
+        self.wo: nn.Module = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                 ctx: ForwardContext) -> Tensor:
@@ -137,8 +139,8 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)  # gate, up
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+        self.w13: nn.Module = nn.Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)  # gate, up
+        self.w2: nn.Module = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -295,12 +297,18 @@ def can_pack_for_cpu() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+def _linear(module: nn.Module) -> nn.Linear:
+    if not isinstance(module, nn.Linear):
+        raise TypeError(f"expected an nn.Linear to replace, got {type(module).__name__}")
+    return module
+
+
 def pack_for_cpu(model: Transformer) -> None:
     """Swap every nn.Linear (projections and the output head) for a PackedLinear."""
-    for layer in model.layers:
+    for layer in cast("list[Block]", model.layers):
         attn, ff = layer.attention, layer.feed_forward
-        attn.wqkv, attn.wo = PackedLinear(attn.wqkv), PackedLinear(attn.wo)
-        ff.w13, ff.w2 = PackedLinear(ff.w13), PackedLinear(ff.w2)
+        attn.wqkv, attn.wo = PackedLinear(_linear(attn.wqkv)), PackedLinear(_linear(attn.wo))
+        ff.w13, ff.w2 = PackedLinear(_linear(ff.w13)), PackedLinear(_linear(ff.w2))
     model.output = PackedLinear(model.output)  # type: ignore[assignment]
 
 
@@ -378,11 +386,11 @@ def quantize_weights(model: Transformer, kind: str) -> None:
     if kind == "int4" and (model.args.dim % Int4Linear.GROUP or model.args.intermediate_size % Int4Linear.GROUP):
         raise ValueError("int4 weights need dimensions divisible by 32")
     cls: type[nn.Module] = {"int8": Int8Linear, "int4": Int4Linear}[kind]
-    for layer in model.layers:
-        layer.attention.wqkv = cls(layer.attention.wqkv)
-        layer.attention.wo = cls(layer.attention.wo)
-        layer.feed_forward.w13 = cls(layer.feed_forward.w13)
-        layer.feed_forward.w2 = cls(layer.feed_forward.w2)
+    for layer in cast("list[Block]", model.layers):
+        layer.attention.wqkv = cls(_linear(layer.attention.wqkv))
+        layer.attention.wo = cls(_linear(layer.attention.wo))
+        layer.feed_forward.w13 = cls(_linear(layer.feed_forward.w13))
+        layer.feed_forward.w2 = cls(_linear(layer.feed_forward.w2))
     if kind == "int4":
         model.output = Int4Linear(model.output)  # type: ignore[assignment]
     elif can_pack_for_cpu():

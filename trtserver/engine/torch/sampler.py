@@ -136,8 +136,8 @@ class Sampler:
             k = max(top_k)
             result.top_logprobs = [[] for _ in rows]
             if k:
-                values, indices = logprobs.topk(k, dim=-1)
-                values, indices = values.tolist(), indices.tolist()
+                top_values, top_indices = logprobs.topk(k, dim=-1)
+                values, indices = top_values.tolist(), top_indices.tolist()
                 result.top_logprobs = [list(zip(indices[i][: top_k[i]], values[i][: top_k[i]]))
                                        for i in range(len(rows))]
         return result
