@@ -56,7 +56,8 @@ def test_streamed_guided_text_matches(http: httpx.Client) -> None:
 
 
 def test_backend_that_cannot_do_grammars_is_a_400(http: httpx.Client) -> None:
-    response = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4,
-                                                   "guided_grammar": 'root ::= "a"', "guided_decoding_backend": "outlines"})
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_grammar": 'root ::= "a"',
+            "guided_decoding_backend": "outlines"}
+    response = http.post("/v1/completions", json=body)
     assert response.status_code == 400
     assert "outlines" in response.json()["error"]["message"]
