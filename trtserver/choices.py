@@ -6,11 +6,11 @@ alike (the collected response is the stream, joined).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from trtserver.engine.base import SequenceOutput
-from trtserver.protocol import CompletionLogprobs, PromptLogprob
+from trtserver.protocol import CompletionChoice, CompletionLogprobs, CompletionResponse, PromptLogprob
 from trtserver.text import TextStream
 from trtserver.tokenizer import Tokenizer
 
@@ -141,3 +141,50 @@ class ChoiceState:
             self.finish_reason = "stop" if delta.finish_reason == "stop" else delta.finish_reason
             self.stop_reason = delta.stop_token_id
         return self.text.take(final=self.finished)
+
+
+def extend_logprobs(into: CompletionLogprobs, more: CompletionLogprobs) -> None:
+    into.tokens += more.tokens
+    into.token_logprobs += more.token_logprobs
+    into.top_logprobs += more.top_logprobs
+    into.text_offset += more.text_offset
+
+
+class ChoiceMerger:
+    """Streamed chunks joined back into whole choices (the non-streaming response is built this way)."""
+
+    def __init__(self) -> None:
+        self.choices: dict[int, CompletionChoice] = {}
+
+    def add(self, chunk: CompletionResponse) -> None:
+        for piece in chunk.choices:
+            into = self.choices.get(piece.index)
+            if into is None:
+                self.choices[piece.index] = piece
+                continue
+            into.text += piece.text
+            if piece.logprobs is not None:
+                if into.logprobs is None:
+                    into.logprobs = piece.logprobs
+                else:
+                    extend_logprobs(into.logprobs, piece.logprobs)
+            if isinstance(piece.token_ids, list):
+                into.token_ids = (into.token_ids if isinstance(into.token_ids, list) else []) + piece.token_ids
+            if piece.finish_reason is not None:
+                into.finish_reason = piece.finish_reason
+                into.stop_reason = piece.stop_reason
+
+    def keep_best(self, score: Callable[[int, int], float], prompts: int, n: int, width: int) -> None:
+        """Per prompt, the n of ``width`` choices with the best score, re-indexed ``prompt_idx * n + rank``."""
+        kept: dict[int, CompletionChoice] = {}
+        for p in range(prompts):
+            ranked = sorted(range(width), key=lambda s: -score(p, s))
+            for rank, s in enumerate(ranked[:n]):
+                choice = self.choices.get(p * width + s)
+                if choice is not None:
+                    choice.index = p * n + rank
+                    kept[choice.index] = choice
+        self.choices = kept
+
+    def ordered(self) -> list[CompletionChoice]:
+        return [self.choices[i] for i in sorted(self.choices)]

@@ -8,13 +8,11 @@ import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import msgspec
 import pluggy
 import structlog
 from aiohttp import web
-from msgspec import UNSET
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from trtserver import errors
@@ -26,23 +24,19 @@ from trtserver.openapi import openapi_document
 from trtserver.plugins import allowlist_from_env, await_me_maybe, load_plugins, new_plugin_manager
 from trtserver.protocol import (
     REQUEST_FIELDS,
-    CompletionChoice,
     CompletionRequest,
-    CompletionResponse,
     FieldError,
     ModelCard,
     ModelList,
-    Usage,
     encoder,
     request_decoder,
 )
 from trtserver.request_context import RequestContext
 from trtserver.serving import CompletionService, Prepared, new_request_id
+from trtserver.sse import stream_response, with_timeout
 
 log = structlog.get_logger("trtserver.server")
-T = TypeVar("T")
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @dataclass(slots=True)
@@ -202,10 +196,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
         service.flex_in_flight += 1
     try:
         if body.stream:
-            result: web.StreamResponse = await _stream(request, service, prepared)
+            result: web.StreamResponse = await stream_response(request, service, prepared,
+                                                               state.config.request_timeout_s)
         else:
-            response = await _with_timeout(service.complete(prepared), state.config.request_timeout_s)
-            await _response_ready(service, prepared, response)
+            response = await with_timeout(service.complete(prepared), state.config.request_timeout_s)
+            await service.response_ready(prepared, response)
             result = json_response(response, headers=context.response_headers or None)
         return result
     finally:
@@ -214,15 +209,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if context.service_tier == "flex":
             service.flex_in_flight -= 1
         await _account(state, service, prepared)
-
-
-async def _with_timeout(coro: Awaitable[T], timeout_s: float | None) -> T:
-    if timeout_s is None:
-        return await coro
-    try:
-        return await asyncio.wait_for(coro, timeout_s)
-    except asyncio.TimeoutError as exc:  # an alias of TimeoutError from 3.11; distinct on 3.10
-        raise errors.RequestTimeout(f"the request took longer than {timeout_s} s") from exc
 
 
 async def _account(state: ServerState, service: CompletionService, prepared: Prepared) -> None:
@@ -240,93 +226,6 @@ async def _account(state: ServerState, service: CompletionService, prepared: Pre
     if prepared.counted:
         project = prepared.context.project or "default"
         await await_me_maybe(service.quota_store.add_tokens(project, usage.total_tokens, now))
-
-
-class _Deadline:
-    """``--request-timeout-s`` for a stream: each chunk must come before the request's deadline."""
-
-    def __init__(self, timeout_s: float | None) -> None:
-        self.timeout_s = timeout_s
-        self.at = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
-
-    async def next(self, chunks: AsyncIterator[CompletionResponse]) -> CompletionResponse | None:
-        try:
-            if self.at is None:
-                return await anext(chunks)
-            return await asyncio.wait_for(anext(chunks), max(self.at - asyncio.get_running_loop().time(), 0))
-        except StopAsyncIteration:
-            return None
-        except asyncio.TimeoutError as exc:  # an alias of TimeoutError from 3.11; distinct on 3.10
-            raise errors.RequestTimeout(f"the request took longer than {self.timeout_s} s") from exc
-
-
-async def _stream(request: web.Request, service: CompletionService, prepared: Prepared) -> web.StreamResponse:
-    chunks = service.stream(prepared)
-    collected = _Collector(prepared)
-    deadline = _Deadline(_state(request).config.request_timeout_s)
-    # the first chunk is produced before the headers go out, so early errors are plain 4xx/5xx
-    chunk = await deadline.next(chunks)
-    response = web.StreamResponse(headers={**SSE_HEADERS, **prepared.context.response_headers})
-    await response.prepare(request)
-    try:
-        while chunk is not None:
-            collected.add(chunk)
-            await response.write(b"data: " + encoder.encode(chunk) + b"\n\n")
-            chunk = await deadline.next(chunks)
-    except errors.APIError as exc:
-        await response.write(b"data: " + encoder.encode(exc.envelope()) + b"\n\n")
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise
-    except Exception:
-        log.exception("stream_failed")
-        failure = errors.EngineError("The server had an error while streaming the response.")
-        await response.write(b"data: " + encoder.encode(failure.envelope()) + b"\n\n")
-    else:
-        await _response_ready(service, prepared, collected.response(service))
-    finally:
-        await chunks.aclose()
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
-
-
-class _Collector:
-    """The streamed chunks joined, for ``trtserver_response_ready``."""
-
-    def __init__(self, prepared: Prepared) -> None:
-        self.prepared = prepared
-        self.choices: dict[int, CompletionChoice] = {}
-        self.usage: Usage | None = None
-
-    def add(self, chunk: CompletionResponse) -> None:
-        for piece in chunk.choices:
-            current = self.choices.get(piece.index)
-            if current is None:
-                self.choices[piece.index] = CompletionChoice(text=piece.text, index=piece.index, logprobs=None,
-                                                             finish_reason=piece.finish_reason,
-                                                             stop_reason=piece.stop_reason)
-            else:
-                current.text += piece.text
-                if piece.finish_reason is not None:
-                    current.finish_reason, current.stop_reason = piece.finish_reason, piece.stop_reason
-        if chunk.usage is not None:
-            self.usage = chunk.usage
-
-    def response(self, service: CompletionService) -> CompletionResponse:
-        return CompletionResponse(id=self.prepared.response_id, created=self.prepared.created,
-                                  model=service.model_name, choices=[self.choices[i] for i in sorted(self.choices)],
-                                  usage=self.usage or self.prepared.usage,
-                                  system_fingerprint=service.system_fingerprint,
-                                  service_tier=self.prepared.context.service_tier or UNSET)
-
-
-async def _response_ready(service: CompletionService, prepared: Prepared, response: CompletionResponse) -> None:
-    try:
-        for result in service.pm.hook.trtserver_response_ready(request=prepared.request, response=response,
-                                                               context=prepared.context):
-            await await_me_maybe(result)
-    except Exception:
-        log.exception("response_ready_hook_failed")
 
 
 async def models(request: web.Request) -> web.Response:

@@ -19,7 +19,14 @@ from msgspec import UNSET
 
 from trtserver import params
 from trtserver.bad_words import bad_words_factory
-from trtserver.choices import ChoiceState, TokenNamer, legacy_logprobs, vllm_prompt_logprobs
+from trtserver.choices import (
+    ChoiceMerger,
+    ChoiceState,
+    TokenNamer,
+    extend_logprobs,
+    legacy_logprobs,
+    vllm_prompt_logprobs,
+)
 from trtserver.config import ServerConfig
 from trtserver.engine.base import Engine, GenerationRequest, GuidedDecoder, SequenceOutput
 from trtserver.errors import InvalidRequest, Overloaded, Unsupported
@@ -28,6 +35,7 @@ from trtserver.plugins import await_me_maybe
 from trtserver.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from trtserver.quota import MemoryQuotaStore, QuotaStore, decide_tier
 from trtserver.request_context import RequestContext
+from trtserver.streams import merge_streams
 from trtserver.text import IncrementalDecoder, StopChecker, StopStrings, TextStream
 
 log = structlog.get_logger("trtserver.serving")
@@ -255,41 +263,9 @@ class CompletionService:
                     yield i, SequenceOutput(request_id="", index=s, token_ids=[], finish_reason="length",
                                             num_prompt_tokens=len(prompt.token_ids))
             return
-        if len(prepared.engine_requests) == 1:
-            generator = self.engine.generate(prepared.engine_requests[0])
-            try:
-                async for delta in generator:
-                    yield 0, delta
-            finally:
-                await generator.aclose()  # type: ignore[attr-defined]
-            return
-        queue: asyncio.Queue[tuple[int, SequenceOutput] | BaseException | None] = asyncio.Queue()
-
-        async def pump(index: int, engine_request: GenerationRequest) -> None:
-            try:
-                async for delta in self.engine.generate(engine_request):
-                    queue.put_nowait((index, delta))
-            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-                queue.put_nowait(exc)
-                raise
-            finally:
-                queue.put_nowait(None)
-
-        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(prepared.engine_requests)]
-        try:
-            running = len(tasks)
-            while running:
-                item = await queue.get()
-                if item is None:
-                    running -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        async with aclosing(merge_streams([self.engine.generate(r) for r in prepared.engine_requests])) as merged:
+            async for item in merged:
+                yield item
 
     def _chunk_choice(self, prepared: Prepared, choice: ChoiceState, delta: SequenceOutput,
                       namer: TokenNamer, stride: int, scores: PromptScores | None) -> CompletionChoice | None:
@@ -322,10 +298,7 @@ class CompletionService:
             if logprobs is None:
                 logprobs = generated
             else:
-                logprobs.tokens += generated.tokens
-                logprobs.token_logprobs += generated.token_logprobs
-                logprobs.top_logprobs += generated.top_logprobs
-                logprobs.text_offset += generated.text_offset
+                extend_logprobs(logprobs, generated)
         if not text and logprobs is None and not choice.finished and not first:
             return None
         out = CompletionChoice(
@@ -356,64 +329,35 @@ class CompletionService:
         completion = sum(c.completion_tokens for c in choices)
         return Usage(prompt_tokens, completion, prompt_tokens + completion)
 
+    async def response_ready(self, prepared: Prepared, response: CompletionResponse) -> None:
+        """Fire ``trtserver_response_ready``; a failing plugin is logged, never the client's problem."""
+        try:
+            for result in self.pm.hook.trtserver_response_ready(request=prepared.request, response=response,
+                                                               context=prepared.context):
+                await await_me_maybe(result)
+        except Exception:
+            log.exception("response_ready_hook_failed")
+
     # --- collecting ------------------------------------------------------------------------
 
     async def complete(self, prepared: Prepared) -> CompletionResponse:
         """The non-streaming response: the same chunks, joined; best_of and beams ranked here."""
         request = prepared.request
         states = self._choices(prepared)
-        merged: dict[int, CompletionChoice] = {}
+        merged = ChoiceMerger()
         async with aclosing(self._chunks(prepared, states)) as chunks:
             async for chunk in chunks:
-                for piece in chunk.choices:
-                    current = merged.get(piece.index)
-                    if current is None:
-                        merged[piece.index] = piece
-                    else:
-                        _append(current, piece)
+                merged.add(chunk)
         width = request.best_of or request.n
         if width > request.n or request.use_beam_search:
-            merged = _keep_best(merged, states, request.n, width)
+            merged.keep_best(lambda p, s: states[(p, s)].score(), len(prepared.prompts), request.n, width)
         if request.logprobs is None:
-            for choice in merged.values():
+            for choice in merged.choices.values():
                 choice.logprobs = None
         return CompletionResponse(id=prepared.response_id, created=prepared.created, model=self.model_name,
-                                  choices=[merged[i] for i in sorted(merged)],
-                                  usage=prepared.usage,
+                                  choices=merged.ordered(), usage=prepared.usage,
                                   system_fingerprint=self.system_fingerprint,
                                   service_tier=prepared.context.service_tier or UNSET)
-
-
-def _append(into: CompletionChoice, piece: CompletionChoice) -> None:
-    into.text += piece.text
-    if piece.logprobs is not None:
-        if into.logprobs is None:
-            into.logprobs = piece.logprobs
-        else:
-            into.logprobs.tokens += piece.logprobs.tokens
-            into.logprobs.token_logprobs += piece.logprobs.token_logprobs
-            into.logprobs.top_logprobs += piece.logprobs.top_logprobs
-            into.logprobs.text_offset += piece.logprobs.text_offset
-    if isinstance(piece.token_ids, list):
-        into.token_ids = (into.token_ids if isinstance(into.token_ids, list) else []) + piece.token_ids
-    if piece.finish_reason is not None:
-        into.finish_reason = piece.finish_reason
-        into.stop_reason = piece.stop_reason
-
-
-def _keep_best(merged: dict[int, CompletionChoice], states: dict[tuple[int, int], ChoiceState],
-               n: int, width: int) -> dict[int, CompletionChoice]:
-    """Per prompt, the n choices with the best score, re-indexed ``prompt_idx * n + rank``."""
-    kept: dict[int, CompletionChoice] = {}
-    prompts = {p for p, _ in states}
-    for p in sorted(prompts):
-        ranked = sorted(range(width), key=lambda s: -states[(p, s)].score())
-        for rank, s in enumerate(ranked[:n]):
-            choice = merged.get(p * width + s)
-            if choice is not None:
-                choice.index = p * n + rank
-                kept[choice.index] = choice
-    return kept
 
 
 def _sent_param(request: CompletionRequest, param: str) -> str:

@@ -1,0 +1,93 @@
+"""Writing a completion as Server-Sent Events, and the per-request deadline for both response kinds."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+import structlog
+from aiohttp import web
+from msgspec import UNSET
+
+from trtserver import errors
+from trtserver.choices import ChoiceMerger
+from trtserver.protocol import CompletionResponse, encoder
+from trtserver.serving import CompletionService, Prepared
+
+log = structlog.get_logger("trtserver.sse")
+T = TypeVar("T")
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _timeout(timeout_s: float | None) -> errors.RequestTimeout:
+    return errors.RequestTimeout(f"the request took longer than {timeout_s} s")
+
+
+async def with_timeout(coro: Awaitable[T], timeout_s: float | None) -> T:
+    if timeout_s is None:
+        return await coro
+    try:
+        return await asyncio.wait_for(coro, timeout_s)
+    except asyncio.TimeoutError as exc:  # an alias of TimeoutError from 3.11; distinct on 3.10
+        raise _timeout(timeout_s) from exc
+
+
+class Deadline:
+    """``--request-timeout-s`` for a stream: each chunk must come before the request's deadline."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        self.at = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+
+    async def next(self, chunks: AsyncIterator[CompletionResponse]) -> CompletionResponse | None:
+        try:
+            if self.at is None:
+                return await anext(chunks)
+            return await asyncio.wait_for(anext(chunks), max(self.at - asyncio.get_running_loop().time(), 0))
+        except StopAsyncIteration:
+            return None
+        except asyncio.TimeoutError as exc:
+            raise _timeout(self.timeout_s) from exc
+
+
+def _event(payload: object) -> bytes:
+    return b"data: " + encoder.encode(payload) + b"\n\n"
+
+
+async def stream_response(request: web.Request, service: CompletionService, prepared: Prepared,
+                          timeout_s: float | None) -> web.StreamResponse:
+    chunks = service.stream(prepared)
+    joined = ChoiceMerger()  # what trtserver_response_ready sees
+    usage = None
+    deadline = Deadline(timeout_s)
+    # the first chunk is produced before the headers go out, so early errors are plain 4xx/5xx
+    chunk = await deadline.next(chunks)
+    response = web.StreamResponse(headers={**SSE_HEADERS, **prepared.context.response_headers})
+    await response.prepare(request)
+    try:
+        while chunk is not None:
+            await response.write(_event(chunk))
+            joined.add(chunk)
+            usage = chunk.usage or usage
+            chunk = await deadline.next(chunks)
+    except errors.APIError as exc:
+        await response.write(_event(exc.envelope()))
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception:
+        log.exception("stream_failed")
+        await response.write(_event(errors.EngineError("The server had an error while streaming the response.")
+                                    .envelope()))
+    else:
+        whole = CompletionResponse(id=prepared.response_id, created=prepared.created, model=service.model_name,
+                                   choices=joined.ordered(), usage=usage or prepared.usage,
+                                   system_fingerprint=service.system_fingerprint,
+                                   service_tier=prepared.context.service_tier or UNSET)
+        await service.response_ready(prepared, whole)
+    finally:
+        await chunks.aclose()
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
