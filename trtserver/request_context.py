@@ -21,6 +21,7 @@ class RequestContext:
 
     request_id: str
     config: ServerConfig
+    model: str | None = None  # the served model's name (the request's ``model`` may be omitted)
     headers: Mapping[str, str] = field(default_factory=dict)
     query: Mapping[str, str] = field(default_factory=dict)
     api_key: str | None = None

@@ -177,10 +177,10 @@ async def decode_request(request: web.Request) -> tuple[CompletionRequest, dict[
 
 
 def _context(request: web.Request, body: CompletionRequest, unknown: dict[str, object],
-             config: ServerConfig) -> RequestContext:
+             config: ServerConfig, model: str) -> RequestContext:
     auth = request.headers.get("Authorization", "")
     api_key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-    return RequestContext(request_id=request[REQUEST_ID], config=config, headers=request.headers,
+    return RequestContext(request_id=request[REQUEST_ID], config=config, model=model, headers=request.headers,
                           query=request.query, api_key=api_key, user=body.user, extra=unknown)
 
 
@@ -188,7 +188,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     service = _service(request)
     state = _state(request)
     body, unknown = await decode_request(request)
-    context = _context(request, body, unknown, state.config)
+    context = _context(request, body, unknown, state.config, service.model_name)
     structlog.contextvars.bind_contextvars(user=body.user)
     prepared = await service.prepare(body, context)
     state.in_flight += 1

@@ -75,7 +75,7 @@ async def test_write_is_off_the_event_loop(monkeypatch: pytest.MonkeyPatch, log_
         log_prompt, model, prompt = True, None, [1, 2, 3]
 
     class Context:
-        request_id, user, config = "r", None, ServerConfig(engine_dir=".", prompt_log_dir=str(log_dir))
+        request_id, user, model, config = "r", None, "m", ServerConfig(engine_dir=".", prompt_log_dir=str(log_dir))
 
     awaitable = trtserver_prompt_log.trtserver_request_received(Request(), Context())  # type: ignore[arg-type]
     assert awaitable is not None and not threads

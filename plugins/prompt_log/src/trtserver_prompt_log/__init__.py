@@ -98,6 +98,6 @@ def trtserver_request_received(request: CompletionRequest, context: RequestConte
     if not directory:
         raise InvalidRequest("prompt logging is not enabled on this server", param="log_prompt")
     now = dt.datetime.now(dt.timezone.utc)
-    record = {"time": now.isoformat(), "request_id": context.request_id, "model": request.model,
+    record = {"time": now.isoformat(), "request_id": context.request_id, "model": context.model or request.model,
               "prompt": request.prompt, "user": context.user}
     return asyncio.to_thread(append_record, directory, record, now)
