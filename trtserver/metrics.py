@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
 from trtserver.engine.base import EngineStats
@@ -47,16 +48,25 @@ class Metrics:
         self.registry.register(_EngineCollector(engine_stats))
 
     def observe_request(self, *, status: int, tier: str | None, prompt_tokens: int, completion_tokens: int,
-                        ttft_s: float | None, total_s: float) -> None:
-        """Once per request: token-level timing is summarised by the caller, never observed per token."""
+                        ttft_s: float | None, total_s: float, request_id: str = "", user: str | None = None) -> None:
+        """Once per request: token-level timing is summarised by the caller, never observed per token.
+
+        The request id and the client's ``user`` ride on the latency histogram as an OpenMetrics
+        exemplar (shown to scrapers that ask for OpenMetrics), not as labels, which would grow
+        without bound."""
         self.requests.labels(status=str(status), tier=tier or "none").inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.completion_tokens.inc(completion_tokens)
-        self.request_latency.observe(total_s)
+        # exemplar label sets are limited to 128 characters in all
+        exemplar = {"request_id": request_id[:64], "user": (user or "")[:48]}
+        self.request_latency.observe(total_s, exemplar=exemplar)
         if ttft_s is not None:
             self.time_to_first_token.observe(ttft_s)
             if completion_tokens > 1:
                 self.inter_token_latency.observe((total_s - ttft_s) / (completion_tokens - 1))
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The exposition and its content type: OpenMetrics (with exemplars) when the scraper asks."""
+        if "application/openmetrics-text" in accept:
+            return openmetrics.generate_latest(self.registry), openmetrics.CONTENT_TYPE_LATEST
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

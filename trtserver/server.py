@@ -222,7 +222,8 @@ async def _account(state: ServerState, service: CompletionService, prepared: Pre
         # 499: the client went away (or the stream failed) before the end; still counted and charged
         state.metrics.observe_request(status=200 if prepared.completed else 499, tier=prepared.context.service_tier,
                                       prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-                                      ttft_s=ttft, total_s=now - prepared.started_at)
+                                      ttft_s=ttft, total_s=now - prepared.started_at,
+                                      request_id=prepared.context.request_id, user=prepared.context.user)
     if prepared.counted:
         project = prepared.context.project or "default"
         await await_me_maybe(service.quota_store.add_tokens(project, usage.total_tokens, now))
@@ -238,8 +239,10 @@ async def models(request: web.Request) -> web.Response:
 
 async def metrics_route(request: web.Request) -> web.Response:
     metrics = _state(request).metrics
-    body = metrics.render() if metrics is not None else b""
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+    if metrics is None:
+        return web.Response(body=b"", headers={"Content-Type": CONTENT_TYPE_LATEST})
+    body, content_type = metrics.render(request.headers.get("Accept", ""))
+    return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 async def openapi_route(request: web.Request) -> web.Response:

@@ -72,6 +72,11 @@ async def test_metrics_and_openapi(ops_client: Any) -> None:
                  "trtserver_inter_token_latency_seconds"):
         assert name in text
     assert 'status="200"' in text
+    await ops_client.post("/v1/completions?ai_project_id=big", json={**BODY, "user": "alice"},
+                          headers={**auth(), "X-Request-Id": "req-123"})
+    scrape = await ops_client.get("/metrics", headers={"Accept": "application/openmetrics-text"})
+    assert scrape.headers["Content-Type"].startswith("application/openmetrics-text")
+    assert '{request_id="req-123",user="alice"}' in await scrape.text()  # an exemplar, not a label
     spec = await (await ops_client.get("/openapi.json", headers=auth())).json()
     assert spec["openapi"].startswith("3.")
     schema = spec["components"]["schemas"]["CompletionRequest"]
