@@ -109,6 +109,10 @@ class TorchEngine:
         from trtserver.engine.torch.core import EngineCore
         from trtserver.engine.torch.model import load_model
 
+        if self.device.type == "cpu":
+            # oneDNN caches a primitive per GEMM shape (1024 by default); with ever-new batch and chunk
+            # shapes that cache is what grew RSS under a soak. 256 holds the decode working set.
+            os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
         if self.config.threads > 0:
             torch.set_num_threads(self.config.threads)
         elif self.device.type == "cpu":  # leave a core to the event loop (HTTP, tokenizing, streaming)
