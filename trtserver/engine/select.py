@@ -35,9 +35,14 @@ def registered_engines(pm: pluggy.PluginManager) -> dict[str, Callable[[ServerCo
 
 
 def choose_engine_name(config: ServerConfig) -> str:
+    from trtserver.engine.trtllm import trtllm_unavailable_reason
+
+    if config.engine == "trtllm":
+        reason = trtllm_unavailable_reason(config, allow_hf_checkpoint=True)
+        if reason is not None:
+            raise EngineSelectionError(f"--engine trtllm cannot run here: {reason} (use --engine auto or torch)")
     if config.engine != "auto":
         return config.engine
-    from trtserver.engine.trtllm import trtllm_unavailable_reason
 
     reason = trtllm_unavailable_reason(config)
     if reason is None:
