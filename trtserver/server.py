@@ -192,8 +192,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     structlog.contextvars.bind_contextvars(user=body.user)
     prepared = await service.prepare(body, context)
     state.in_flight += 1
-    if context.service_tier == "flex":
-        service.flex_in_flight += 1
     try:
         if body.stream:
             result: web.StreamResponse = await stream_response(request, service, prepared,
@@ -205,9 +203,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return result
     finally:
         state.in_flight -= 1
-        service.release(prepared.sequences)
-        if context.service_tier == "flex":
-            service.flex_in_flight -= 1
+        service.release(prepared.sequences, flex=context.service_tier == "flex")
         await _account(state, service, prepared)
 
 

@@ -92,7 +92,7 @@ class CompletionService:
         try:
             return await self._prepare(request, context, sequences)
         except BaseException:
-            self.release(sequences)
+            self.release(sequences, flex=context.service_tier == "flex")
             raise
 
     def _admit(self, sequences: int) -> None:
@@ -103,13 +103,18 @@ class CompletionService:
             raise Overloaded("too many requests are waiting; retry shortly")
         self.admitted_sequences += sequences
 
-    def release(self, sequences: int) -> None:
+    def release(self, sequences: int, *, flex: bool) -> None:
+        """Give back what ``prepare`` reserved, once the request has ended (however it ended)."""
         self.admitted_sequences -= sequences
+        if flex:
+            self.flex_in_flight -= 1
 
     async def _prepare(self, request: CompletionRequest, context: RequestContext, sequences: int) -> Prepared:
         tier = await decide_tier(request.service_tier, context.query.get("ai_project_id"), context.api_key,
                                  self.config, self.quota_store, self.flex_in_flight, self.config.max_flex_waiting)
         context.service_tier = tier.tier
+        if tier.tier == "flex":  # counted right after the check, with no await in between
+            self.flex_in_flight += 1
         context.project = tier.project
         context.response_headers.update(tier.headers)
         for result in self.pm.hook.trtserver_request_received(request=request, context=context):
