@@ -58,9 +58,9 @@ class Backend:
     def check(self, spec: GuideSpec) -> None:
         """Refuse (400) what this backend cannot do, before compiling."""
         if spec.kind not in self.kinds:
-            raise InvalidRequest(
-                f"guided decoding backend {self.name!r} does not support {spec.kind!r} guides; "
-                f"use backend 'xgrammar' or 'llguidance'")
+            what = "grammars" if spec.kind == "grammar" else f"{spec.kind!r} guides"
+            raise InvalidRequest(f"guided decoding backend {self.name!r} does not support {what}; "
+                                 "use backend 'xgrammar' or 'llguidance'")
 
     def tokenizer_data(self, context: GuideContext) -> tuple[Vocab, Any, np.ndarray, np.ndarray]:
         """(vocab, backend-specific tokenizer data, stop words, alphabet-without-stop words)."""

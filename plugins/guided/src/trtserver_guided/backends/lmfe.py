@@ -81,9 +81,6 @@ class LMFEBackend(Backend):
     kinds = frozenset({"json", "json_object", "regex", "choice"})
 
     def check(self, spec: GuideSpec) -> None:
-        if spec.kind == "grammar":
-            raise InvalidRequest("guided decoding backend 'lm-format-enforcer' does not support grammars; "
-                                 "use backend 'xgrammar' or 'llguidance'")
         super().check(spec)
         if spec.whitespace_pattern:
             raise InvalidRequest("guided decoding backend 'lm-format-enforcer' cannot honour whitespace_pattern; "

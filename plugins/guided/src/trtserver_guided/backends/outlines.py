@@ -91,12 +91,6 @@ class OutlinesBackend(Backend):
     module = "outlines_core"
     kinds = frozenset({"json", "json_object", "regex", "choice"})
 
-    def check(self, spec: GuideSpec) -> None:
-        if spec.kind == "grammar":
-            raise InvalidRequest("guided decoding backend 'outlines' does not support grammars "
-                                 "(outlines-core has no CFG); use backend 'xgrammar' or 'llguidance'")
-        super().check(spec)
-
     def _load(self, vocab: Vocab) -> Any:
         tokens: dict[bytes, list[int]] = {}
         for tid, raw in enumerate(vocab.token_bytes):
