@@ -11,12 +11,14 @@ or ``$TRTSERVER_TEST_ENGINE_DIR``; build it with ``make engines``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp.test_utils import TestClient
 
 try:
     from pytest_asyncio import fixture as async_fixture
@@ -47,38 +49,56 @@ async def wait_ready(app: Any, timeout: float = 120.0) -> None:
         await asyncio.sleep(0.05)
 
 
-@async_fixture
-async def trtserver_client_factory() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
-    """Start an app (real default model, PyTorch engine) with extra plugins; returns an aiohttp
-    ``TestClient``. Plugins are module objects, instances, or module names / file paths; other
-    keyword arguments are ``ServerConfig`` settings. Needs pytest-asyncio."""
-    from aiohttp.test_utils import TestClient, TestServer
+@contextlib.asynccontextmanager
+async def serve(plugins: Iterable[object] = (), *, installed_plugins: bool = True,
+                **settings: Any) -> AsyncIterator[TestClient[Any, Any]]:
+    """An app on the real default model (PyTorch engine), as an aiohttp ``TestClient``, ready to serve.
+
+    ``plugins`` are module objects, instances, or module names / file paths. With
+    ``installed_plugins=False`` only those load (no entry points), so a test sees its own plugin
+    alone. Other keyword arguments are ``ServerConfig`` settings. Use it for module-scoped apps::
+
+        @pytest_asyncio.fixture(scope="module")
+        async def client():
+            async with serve([my_plugin], installed_plugins=False) as client:
+                yield client
+    """
+    from aiohttp.test_utils import TestServer
 
     from trtserver.config import ServerConfig
     from trtserver.plugins import load_plugins, new_plugin_manager
     from trtserver.server import create_app
 
-    clients: list[TestClient[Any, Any]] = []
-
-    async def make(plugins: Iterable[object] = (), **settings: Any) -> TestClient[Any, Any]:
-        settings.setdefault("engine_dir", str(default_engine_dir()))
-        settings.setdefault("engine", "torch")
-        # small KV cache: the app starts in seconds (the full 8k context x 16 slots takes longer)
-        settings.setdefault("max_batch_size", 4)
-        settings.setdefault("max_model_len", 1024)
-        config = ServerConfig(**settings)
-        pm = new_plugin_manager()
-        names = [p for p in plugins if isinstance(p, str)]
-        load_plugins(pm, extra=names + list(config.plugins), allowlist=config.plugin_allowlist)
-        for plugin in plugins:
-            if not isinstance(plugin, str):
-                pm.register(plugin)
-        client = TestClient(TestServer(create_app(config, pm)))
-        await client.start_server()
-        clients.append(client)
+    settings.setdefault("engine_dir", str(default_engine_dir()))
+    settings.setdefault("engine", "torch")
+    # small KV cache: the app starts in seconds (the full 8k context x 16 slots takes longer)
+    settings.setdefault("max_batch_size", 4)
+    settings.setdefault("max_model_len", 1024)
+    config = ServerConfig(**settings)
+    pm = new_plugin_manager()
+    names = [p for p in plugins if isinstance(p, str)] + list(config.plugins)
+    allowlist = config.plugin_allowlist if installed_plugins else [
+        Path(name).stem if name.endswith(".py") else name for name in names]
+    load_plugins(pm, extra=names, allowlist=allowlist)
+    for plugin in plugins:
+        if not isinstance(plugin, str):
+            pm.register(plugin)
+    client = TestClient(TestServer(create_app(config, pm)))
+    await client.start_server()
+    try:
         await wait_ready(client.app)
-        return client
-
-    yield make
-    for client in clients:
+        yield client
+    finally:
         await client.close()
+
+
+@async_fixture
+async def trtserver_client_factory() -> AsyncIterator[Callable[..., Awaitable[TestClient[Any, Any]]]]:
+    """A function-scoped factory over ``serve``: ``await factory(plugins, **settings)`` gives a
+    ready ``TestClient``; every app it started is closed after the test. Needs pytest-asyncio."""
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def make(plugins: Iterable[object] = (), **settings: Any) -> TestClient[Any, Any]:
+            return await stack.enter_async_context(serve(plugins, **settings))
+
+        yield make

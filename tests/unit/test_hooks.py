@@ -10,14 +10,13 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from trtserver import hookimpl
 from trtserver.config import ServerConfig
 from trtserver.errors import PermissionDenied
-from trtserver.plugins import load_plugins, new_plugin_manager
-from trtserver.server import STATE, create_app
-from trtserver.testing import default_engine_dir, wait_ready
+from trtserver.server import STATE
+from trtserver.testing import serve
 from trtserver.text import StopMatch
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -132,17 +131,8 @@ def plugin() -> HookPlugin:
 
 @pytest.fixture(scope="module")
 async def client(plugin: HookPlugin) -> AsyncIterator[TestClient[Any, Any]]:
-    config = ServerConfig(engine_dir=str(default_engine_dir()), engine="hooktest", max_batch_size=4,
-                          max_model_len=512)
-    pm = new_plugin_manager()
-    load_plugins(pm, allowlist=[])
-    pm.register(plugin, name="hooktest")
-    test_client = TestClient(TestServer(create_app(config, pm)))
-    await test_client.start_server()
-    await wait_ready(test_client.app)
-    yield test_client
-    await test_client.close()
-    pm.unregister(name="hooktest")
+    async with serve([plugin], installed_plugins=False, engine="hooktest", max_model_len=512) as test_client:
+        yield test_client
 
 
 async def post(client: TestClient[Any, Any], headers: dict[str, str] | None = None, **body: Any) -> Any:

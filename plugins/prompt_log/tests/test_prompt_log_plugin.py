@@ -9,13 +9,11 @@ from typing import Any
 
 import pytest
 import trtserver_prompt_log
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from trtserver_prompt_log import delete_expired, retention_days
 
 from trtserver.config import ServerConfig
-from trtserver.plugins import load_plugins, new_plugin_manager
-from trtserver.server import create_app
-from trtserver.testing import default_engine_dir, wait_ready
+from trtserver.testing import serve
 
 SETTINGS = {"engine": "torch", "max_batch_size": 4, "max_model_len": 512}
 
@@ -30,15 +28,9 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 async def client(log_dir: Path) -> AsyncIterator[TestClient[Any, Any]]:
-    config = ServerConfig(engine_dir=str(default_engine_dir()), prompt_log_dir=str(log_dir), **SETTINGS)
-    pm = new_plugin_manager()
-    load_plugins(pm, allowlist=[])
-    pm.register(trtserver_prompt_log, name="prompt_log")
-    test_client = TestClient(TestServer(create_app(config, pm)))
-    await test_client.start_server()
-    await wait_ready(test_client.app)
-    yield test_client
-    await test_client.close()
+    async with serve([trtserver_prompt_log], installed_plugins=False, prompt_log_dir=str(log_dir),
+                     **SETTINGS) as test_client:
+        yield test_client
 
 
 def records(log_dir: Path) -> list[dict[str, Any]]:

@@ -7,14 +7,11 @@ from typing import Any
 import pytest
 import regex
 import trtserver_stops
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from trtserver_stops import LineStop, RegexStop, parse_stop_regex
 
-from trtserver.config import ServerConfig
 from trtserver.errors import InvalidRequest
-from trtserver.plugins import load_plugins, new_plugin_manager
-from trtserver.server import create_app
-from trtserver.testing import default_engine_dir, wait_ready
+from trtserver.testing import serve
 from trtserver.text import StopMatch
 
 LIST_PROMPT = "Shopping list:\n- eggs\n- milk\n-"
@@ -78,15 +75,8 @@ def test_lines() -> None:
 
 @pytest.fixture(scope="module")
 async def client() -> AsyncIterator[TestClient[Any, Any]]:
-    config = ServerConfig(engine_dir=str(default_engine_dir()), engine="torch", max_batch_size=4, max_model_len=512)
-    pm = new_plugin_manager()
-    load_plugins(pm, allowlist=[])
-    pm.register(trtserver_stops, name="stops")
-    test_client = TestClient(TestServer(create_app(config, pm)))
-    await test_client.start_server()
-    await wait_ready(test_client.app)
-    yield test_client
-    await test_client.close()
+    async with serve([trtserver_stops], installed_plugins=False, max_model_len=512) as test_client:
+        yield test_client
 
 
 async def complete(client: TestClient[Any, Any], **body: Any) -> dict[str, Any]:
