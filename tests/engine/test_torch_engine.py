@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from tests.support import AllowedTokens
 from trtserver.engine.base import GenerationRequest, SamplingParams, SequenceOutput
 from trtserver.engine.torch.engine import TorchEngine
 from trtserver.errors import EngineError
@@ -193,30 +194,10 @@ async def test_logits_processors_run_per_sequence(engine: TorchEngine) -> None:
     assert sorted(map(len, seen)) == [0, 0, 1, 1, 2, 2]
 
 
-class AllowFew:
-    """A TokenConstraint stand-in: only ``allowed`` tokens, terminated after ``steps`` tokens."""
-
-    def __init__(self, allowed: tuple[int, ...], steps: int) -> None:
-        self.allowed, self.steps, self.accepted = allowed, steps, []
-
-    def new_state(self) -> AllowFew:
-        return AllowFew(self.allowed, self.steps)
-
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        for t in self.allowed:
-            bitmask[row, t // 32] |= 1 << (t % 32)
-
-    def accept_token(self, token_id: int) -> bool:
-        self.accepted.append(token_id)
-        return token_id in self.allowed
-
-    def is_terminated(self) -> bool:
-        return len(self.accepted) >= self.steps
-
 
 async def test_token_constraint_is_honoured(engine: TorchEngine) -> None:
     allowed = tuple(engine.tokenizer.encode(" yes no maybe"))
-    guide = AllowFew(allowed, steps=4)
+    guide = AllowedTokens(allowed, steps=4)
     ids = engine.tokenizer.encode("Answer:")
     request = GenerationRequest("guided", ids, SamplingParams(max_tokens=10, temperature=1.0, seed=1), guided=guide)
     out = [d async for d in engine.generate(request)]

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from tests.support import AllowedTokens
 from trtserver.engine.base import GenerationRequest, SamplingParams
 from trtserver.engine.torch.sampler import Sampler
 from trtserver.engine.torch.sequence import Group, Sequence
@@ -128,29 +129,12 @@ def test_logprobs_are_of_the_processed_distribution_before_temperature(sampler: 
                         torch.softmax(torch.tensor(row), -1)[out.token_ids[0]].item(), rel_tol=1e-5)
 
 
-class AllowOnly:
-    """A TokenConstraint stand-in: a fixed set of allowed tokens."""
-
-    def __init__(self, allowed: set[int]) -> None:
-        self.allowed, self.accepted = allowed, []
-
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        for t in self.allowed:
-            bitmask[row, t // 32] |= 1 << (t % 32)
-
-    def accept_token(self, token_id: int) -> bool:
-        self.accepted.append(token_id)
-        return token_id in self.allowed
-
-    def is_terminated(self) -> bool:
-        return False
-
 
 def test_bitmask_rows_apply_in_one_op() -> None:
     vocab = 70  # three words per row, last one partial
     sampler = Sampler(vocab, (1,), torch.device("cpu"), seed=0)
     a, c = seq(), seq()
-    a.constraint, c.constraint = AllowOnly({3, 33, 69}), AllowOnly({64})
+    a.constraint, c.constraint = AllowedTokens({3, 33, 69}), AllowedTokens({64})
     rows = [a, seq(), c]
     mask = sampler.fill_bitmask(rows)
     assert mask.shape == (3, 3) and mask.dtype == torch.int32

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests.standins import harness
+from tests.support import AllowedTokens
 from trtserver.engine.base import GenerationRequest, Priority, SamplingParams, SequenceOutput
 from trtserver.engine.trtllm_mapping import RULES, Kind, refusals, render_markdown, splice_doc
 from trtserver.engine.trtllm_stream import StreamTranslator, split_logprob
@@ -227,30 +228,13 @@ def test_missing_sequences_end_as_abort_on_final() -> None:
 # --- our per-request logits processor --------------------------------------------------------------
 
 
-class AllowOnly:
-    def __init__(self, allowed: set[int]) -> None:
-        self.allowed = allowed
-        self.seen: list[int] = []
-
-    def fill_bitmask(self, bitmask: Any, row: int) -> None:
-        for t in self.allowed:
-            bitmask[row, t // 32] |= 1 << (t % 32)
-
-    def accept_token(self, token_id: int) -> bool:
-        self.seen.append(token_id)
-        return True
-
-    def is_terminated(self) -> bool:
-        return False
-
-
 class Guided:
     def __init__(self, allowed: set[int]) -> None:
         self.allowed = allowed
-        self.states: list[AllowOnly] = []
+        self.states: list[AllowedTokens] = []
 
-    def new_state(self) -> AllowOnly:
-        self.states.append(AllowOnly(self.allowed))
+    def new_state(self) -> AllowedTokens:
+        self.states.append(AllowedTokens(self.allowed))
         return self.states[-1]
 
 
@@ -273,7 +257,7 @@ def test_logits_processor_masks_and_feeds_tokens() -> None:
     assert torch.isinf(logits[0, 0, 69])  # padding beyond the vocabulary is masked too
     logits = torch.zeros(1, 1, 70)
     proc(7, logits, [[2, 3, 40]], None, None)
-    assert guide.states[0].seen == [40] and calls == [[], [40]]
+    assert guide.states[0].accepted == [40] and calls == [[], [40]]
     clone = pickle.loads(pickle.dumps(TrtllmLogitsProcessor(allowed_token_ids=(5,), eos_ids=(1,))))
     logits = torch.zeros(1, 1, 8)
     clone(1, logits, [[]], None, None)

@@ -1,0 +1,30 @@
+"""Small stand-ins shared by the engine and unit tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+class AllowedTokens:
+    """A TokenConstraint (and GuidedDecoder) stand-in: only ``allowed`` tokens may be sampled;
+    terminated after ``steps`` accepted tokens (never when ``steps`` is None)."""
+
+    def __init__(self, allowed: Iterable[int], steps: int | None = None) -> None:
+        self.allowed, self.steps = frozenset(allowed), steps
+        self.accepted: list[int] = []
+
+    def new_state(self) -> AllowedTokens:
+        return AllowedTokens(self.allowed, self.steps)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        for t in self.allowed:
+            bitmask[row, t // 32] |= 1 << (t % 32)
+
+    def accept_token(self, token_id: int) -> bool:
+        self.accepted.append(token_id)
+        return token_id in self.allowed
+
+    def is_terminated(self) -> bool:
+        return self.steps is not None and len(self.accepted) >= self.steps
