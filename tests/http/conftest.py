@@ -55,6 +55,15 @@ def start_server(engine_dir: Path, *args: str, log_name: str = "server") -> tupl
     return process, base
 
 
+def stop_server(process: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    """SIGTERM (the server drains), then SIGKILL if it has not exited in ``timeout`` seconds."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
 @pytest.fixture(scope="session")
 def base_url(engine_dir: Path) -> Iterator[str]:
     external = os.environ.get("TRTSERVER_TEST_BASE_URL")
@@ -64,11 +73,7 @@ def base_url(engine_dir: Path) -> Iterator[str]:
         return
     process, base = start_server(engine_dir)
     yield base
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
+    stop_server(process)
 
 
 @pytest.fixture(scope="session")

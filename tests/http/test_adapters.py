@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from tests.http.conftest import start_server
+from tests.http.conftest import start_server, stop_server
 
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
@@ -45,11 +44,7 @@ def adapter_server(engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         with httpx.Client(base_url=base_url, timeout=120) as client:
             yield client
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_server(process)
 
 
 def complete(client: httpx.Client, **body: object) -> httpx.Response:
