@@ -21,14 +21,6 @@ def clamp(value: float) -> float:
     return value if value > MIN_LOGPROB else MIN_LOGPROB
 
 
-@dataclass(slots=True)
-class LogprobFormat:
-    """How a request wants logprobs shown."""
-
-    top: int | None  # the request's ``logprobs`` k, None for none
-    as_token_ids: bool = False
-
-
 class TokenNamer:
     """Token id -> the string shown in ``logprobs.tokens`` and ``top_logprobs`` keys (cached)."""
 

@@ -14,9 +14,6 @@ if sys.version_info >= (3, 11):
 else:  # Jetson's Python 3.10
     import tomli as tomllib
 
-EngineName = Literal["auto", "torch", "trtllm"] | str
-
-
 class TierLimits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     requests_per_minute: Annotated[int, Meta(ge=0)] | None = None
     tokens_per_minute: Annotated[int, Meta(ge=0)] | None = None

@@ -101,9 +101,7 @@ def guide_spec_from_request(request: CompletionRequest) -> tuple[GuideSpec, str]
             found.append(("response_format",
                           GuideSpec("json", _schema_text(rf.json_schema.schema_, "response_format"), ws)))
     if not found:
-        if backend is not None and request.guided_decoding_backend is not None:
-            return None  # a backend with nothing to guide is harmless
-        return None
+        return None  # a backend named with nothing to guide is harmless
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise InvalidRequest(f"You can only use one kind of guided decoding at a time; got {names}.",

@@ -6,7 +6,6 @@ the context length, the vocabulary and the engine's capabilities.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 from trtserver.config import ServerConfig
@@ -192,7 +191,3 @@ def engine_priority(request: CompletionRequest, tier_priority: Priority) -> Prio
     if request.priority > 0:
         return Priority.LOW
     return Priority.NORMAL
-
-
-def fresh_seed() -> int:
-    return random.getrandbits(63)

@@ -148,8 +148,3 @@ class TextStream:
         piece = self.text[self.sent : end]
         self.sent = end
         return piece
-
-
-def token_strings(tokenizer: Tokenizer, token_ids: Sequence[int]) -> list[str]:
-    """Each token on its own, as the legacy ``logprobs.tokens`` shows it."""
-    return [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]

@@ -118,13 +118,6 @@ class GenerationRequest:
 
 
 @dataclass(slots=True)
-class TopLogprobs:
-    """Top alternatives for one position, in rank order: (token_id, logprob)."""
-
-    entries: list[tuple[int, float]]
-
-
-@dataclass(slots=True)
 class SequenceOutput:
     """A delta for one sequence of a request: what is new since the previous delta.
 
