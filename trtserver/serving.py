@@ -258,16 +258,8 @@ class CompletionService:
                     break
 
     async def _engine_outputs(self, prepared: Prepared) -> AsyncGenerator[tuple[int, SequenceOutput], None]:
-        """Every prompt's engine stream, interleaved as deltas arrive."""
-        request = prepared.request
-        if (request.max_tokens == 0 and request.peft is None
-                and all(r.sampling.prompt_logprobs is None for r in prepared.engine_requests)):
-            # echo only: nothing for the engine to compute (an adapter name still goes to the engine to be checked)
-            for i, prompt in enumerate(prepared.prompts):
-                for s in range(prepared.engine_requests[i].n):
-                    yield i, SequenceOutput(request_id="", index=s, token_ids=[], finish_reason="length",
-                                            num_prompt_tokens=len(prompt.token_ids))
-            return
+        """Every prompt's engine stream, interleaved as deltas arrive (``max_tokens=0`` too: engines
+        answer it with an empty "length" delta per sequence, after their own checks)."""
         async with aclosing(merge_streams([self.engine.generate(r) for r in prepared.engine_requests])) as merged:
             async for item in merged:
                 yield item
