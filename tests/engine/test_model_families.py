@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from trtserver.engine.base import GenerationRequest, SamplingParams
-from trtserver.engine.torch.core import EngineCore
-from trtserver.engine.torch.model import load_model
+from trtserver.engine.torch.core import EngineCore, attention_length
+from trtserver.engine.torch.model import SMALL_BATCH, load_model
 
 V, D, LAYERS, H, KV, FF = 96, 64, 2, 4, 2, 80
 HS = D // H
@@ -73,11 +73,15 @@ def reference_logits(t: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor
     return rms(x, t["model.norm.weight"]) @ t["lm_head.weight"].T
 
 
+@pytest.mark.parametrize("small_batch", [0, SMALL_BATCH], ids=["one-kernel-set", "small-batch-kernels"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
-def test_chunked_cached_forward_matches_reference(tmp_path: Path, model_type: str) -> None:
+def test_chunked_cached_forward_matches_reference(tmp_path: Path, model_type: str, small_batch: int) -> None:
+    """With ``small_batch``, decode of up to 3 rows takes the float32 attention over a padded, masked
+    key length (the bfloat16 CPU engine's small-batch path; float32 here, so exact)."""
     weights = make_checkpoint(tmp_path, model_type)
     model = load_model(tmp_path, torch.float32, torch.device("cpu"))
-    core = EngineCore(model, num_slots=3, max_len=64, chunk_size=16, eos_token_ids=(), device=torch.device("cpu"))
+    core = EngineCore(model, num_slots=3, max_len=64, chunk_size=16, eos_token_ids=(), device=torch.device("cpu"),
+                      small_batch=small_batch)
     prompts = [[(7 * i + 3) % V for i in range(40)], [5, 9, 11], [(3 * i) % V for i in range(20)]]
     for n, prompt in enumerate(prompts):  # three prompts: chunked, shared chunks, batched decode
         core.add(GenerationRequest(f"r{n}", prompt, SamplingParams(max_tokens=6, temperature=0.0,
@@ -101,3 +105,16 @@ def test_chunked_cached_forward_matches_reference(tmp_path: Path, model_type: st
         assert torch.allclose(torch.tensor(plp[1:]), expected[: len(prompt) - 1], atol=1e-4)
         got = torch.tensor([x for d in deltas for x in d.logprobs])
         assert torch.allclose(got, expected[len(prompt) - 1:], atol=1e-4)
+
+
+
+@pytest.mark.parametrize(("n", "expected"), [(1, 16), (16, 16), (17, 32), (100, 112), (129, 144), (1000, 1024)])
+def test_attention_length_rounds_up_a_little(n: int, expected: int) -> None:
+    assert attention_length(n) == expected
+
+
+def test_attention_length_takes_few_shapes_and_pads_little() -> None:
+    lengths = [attention_length(n) for n in range(1, 8193)]
+    assert all(length >= n for n, length in enumerate(lengths, 1))
+    assert all(length - n < max(16, n / 8) for n, length in enumerate(lengths, 1))
+    assert len(set(lengths)) <= 8 * 10  # about 8 per octave

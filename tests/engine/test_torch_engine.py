@@ -297,3 +297,48 @@ async def test_quantized_weights_still_know_paris(smol_dir, kind: str) -> None: 
         assert "Paris" in eng.tokenizer.decode(both[0])
     finally:
         await eng.shutdown()
+
+
+def test_quantization_auto_is_int4_for_a_q4_gguf_in_bfloat16(smol_dir) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    assert json.loads((smol_dir / "trtserver.json").read_text())["source"]["quantization"] == "Q4_1"
+    def quantize(**options: object) -> str | None:
+        return TorchEngine.from_dir(smol_dir, device="cpu", **options).quantize  # type: ignore[arg-type]
+
+    assert quantize(dtype="bfloat16") == "int4"
+    assert quantize(dtype="bfloat16", batch_invariant=True) is None
+    assert quantize(dtype="float32") is None
+    assert quantize(dtype="bfloat16", quantization="none") is None
+    with pytest.raises(ValueError, match="batch_invariant"):
+        quantize(dtype="bfloat16", quantization="int4", batch_invariant=True)
+
+
+def test_quantization_auto_is_none_without_a_4bit_source(smol_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    for f in smol_dir.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    manifest = json.loads((smol_dir / "trtserver.json").read_text())
+    manifest["source"].pop("quantization")
+    (tmp_path / "trtserver.json").unlink()
+    (tmp_path / "trtserver.json").write_text(json.dumps(manifest))
+    assert TorchEngine.from_dir(tmp_path, device="cpu", dtype="bfloat16").quantize is None
+
+
+async def test_batch_invariant_bfloat16_beyond_the_small_batch(smol_dir) -> None:  # type: ignore[no-untyped-def]
+    """More rows than SMALL_BATCH: with batch_invariant, each prompt's greedy tokens are the same alone
+    and in the crowd, although alone it is a batch of one."""
+    from trtserver.engine.torch.model import SMALL_BATCH
+
+    eng = TorchEngine.from_dir(smol_dir, dtype="bfloat16", device="cpu", max_batch_size=8, max_model_len=128,
+                               threads=1, batch_invariant=True)
+    await eng.start()
+    try:
+        prompts = PROMPTS + ["My favourite animal is", "Water boils at"]
+        assert len(prompts) > SMALL_BATCH
+        alone = [await greedy(eng, p, max_tokens=8) for p in prompts]
+        together = await asyncio.gather(*(greedy(eng, p, max_tokens=8) for p in prompts))
+        assert list(together) == alone
+    finally:
+        await eng.shutdown()

@@ -24,6 +24,8 @@ from tests.http.conftest import free_port
 
 SMALL = ("--max-model-len", "256")
 LONG = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+# the waiting-bound tests need each request to outlast the arrivals (4 x 0.3 s): 160 tokens take ~3 s at ~55 tok/s
+TOKENS_PER_REQUEST = 160
 ENVELOPE_KEYS = {"message", "type", "param", "code"}
 
 
@@ -210,7 +212,7 @@ async def test_non_streaming_client_timeout_frees_the_slot(shared: tuple[Server,
 
 
 async def _fire(base: str, count: int, gap_s: float) -> list[tuple[int, str | None, object]]:
-    body = {**LONG, "max_tokens": 40}
+    body = {**LONG, "max_tokens": TOKENS_PER_REQUEST}
 
     async def one(i: int, session: aiohttp.ClientSession) -> tuple[int, str | None, object]:
         await asyncio.sleep(i * gap_s)
@@ -231,7 +233,7 @@ def _check_bounded(results: list[tuple[int, str | None, object]]) -> None:
         assert status == 503 and retry_after is not None, (status, retry_after, body)
         assert assert_envelope(body)["type"] == "server_overloaded"
     for _, _, body in served:
-        assert body["usage"]["completion_tokens"] == 40  # type: ignore[index]
+        assert body["usage"]["completion_tokens"] == TOKENS_PER_REQUEST  # type: ignore[index]
 
 
 async def test_waiting_queue_bound_arrivals_spread_out(shared: tuple[Server, list, list]) -> None:

@@ -23,7 +23,10 @@ from trtserver.engine.torch.sequence import Group, Sequence
 
 class EngineCore:
     def __init__(self, model: Transformer, *, num_slots: int, max_len: int, chunk_size: int,
-                 eos_token_ids: Seq[int], device: torch.device, seed: int | None = None) -> None:
+                 eos_token_ids: Seq[int], device: torch.device, seed: int | None = None,
+                 small_batch: int = 0) -> None:
+        """``small_batch``: decode batches of up to this many rows take the small-batch kernels
+        (``model.SMALL_BATCH``: float32 attention, quantized projections); 0 = never."""
         args = model.args
         dtype = model.tok_embeddings.weight.dtype
         self.model, self.device, self.max_len = model, device, max_len
@@ -34,6 +37,7 @@ class EngineCore:
         self.sampler = Sampler(args.vocab_size, tuple(eos_token_ids), device, seed)
         self._positions = torch.arange(max_len + 1, device=device)
         self._dense = self.cache.dense if dtype == torch.bfloat16 else None  # CPU only (None on CUDA)
+        self.small_batch = small_batch
         self._dirty: dict[Sequence, None] = {}  # sequences with something to report, in order
         self.num_prefill_forwards = 0  # observability (and the tests' spy)
         self.num_decode_forwards = 0
@@ -180,12 +184,10 @@ class EngineCore:
             positions = [s.num_cached for s in seqs]
             tokens = torch.tensor([[s.last_token] for s in seqs], device=self.device)  # (B, 1)
             pos = torch.tensor(positions, device=self.device).unsqueeze(1)  # (B, 1)
-            length = max(positions) + 1
-            mask = None
-            if min(positions) + 1 != length:
-                mask = (self._positions[:length] <= pos).view(B, 1, 1, length)  # (B, 1, 1, L)
+            length = min(attention_length(max(positions) + 1), self.max_len + 1)
+            mask = (self._positions[:length] <= pos).view(B, 1, 1, length)  # (B, 1, 1, L)
             ctx = ForwardContext(pos, torch.tensor(slots, device=self.device), _contiguous(slots), length, mask,
-                                 dense=self._dense)
+                                 dense=self._dense, small=B <= self.small_batch)
             hidden = self.model(tokens, ctx, self.cache)  # (B, 1, dim)
             logits = self.model.logits(hidden[:, 0])  # (B, V)
         self.num_decode_forwards += 1
@@ -285,6 +287,14 @@ class EngineCore:
             out.append(delta)
         self._dirty.clear()
         return out
+
+
+def attention_length(n: int) -> int:
+    """``n`` rounded up to one of 8 lengths per octave (at least a multiple of 16); decode attends
+    over that many keys with the tail masked. oneDNN builds a kernel for every new shape, and a
+    length that grows by one each step would need a new one every step (~0.6 ms per layer shape)."""
+    granule = max(16, 1 << max(0, n.bit_length() - 4))
+    return -(-n // granule) * granule
 
 
 def _contiguous(slots: list[int]) -> int | None:

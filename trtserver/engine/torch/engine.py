@@ -35,14 +35,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class TorchEngine:
     def __init__(self, config: ServerConfig, *, seed: int | None = None, quantize: str | None = None) -> None:
-        """``quantize`` ("none", "int8" or "int4"; default ``config.quantization``): weight-only int8
-        or int4 projections for decode on the CPU, with bfloat16 activations."""
+        """``quantize`` ("auto", "none", "int8" or "int4"; default ``config.quantization``): weight-only
+        int8 or int4 projections for small decode batches on the CPU, with bfloat16 activations."""
         quantize = quantize or config.quantization
-        if quantize not in ("none", "int8", "int4"):
-            raise ValueError(f"quantize={quantize!r}: one of 'none', 'int8', 'int4'")
-        quantize = None if quantize == "none" else quantize
+        if quantize not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"quantize={quantize!r}: one of 'auto', 'none', 'int8', 'int4'")
+        if config.batch_invariant and quantize in ("int8", "int4"):
+            raise ValueError(f"quantize={quantize!r} and batch_invariant: the quantized kernels serve only small "
+                             "batches, so a request's tokens would depend on its neighbours; choose one")
         self.config = config
-        self.quantize = quantize
         self.path = Path(config.engine_dir)
         if not (self.path / "config.json").exists():
             raise FileNotFoundError(f"{self.path}: no config.json; build the engine directory with `make engines`")
@@ -51,9 +52,12 @@ class TorchEngine:
         self._tokenizer = Tokenizer.from_dir(self.path)
         self.device = resolve_device(config.device)
         self.dtype: torch.dtype | None = None if config.dtype == "auto" else _DTYPES[config.dtype]
-        if quantize is not None:
+        if quantize == "auto":
+            quantize = self._auto_quantization()
+        self.quantize: str | None = None if quantize == "none" else quantize
+        if self.quantize is not None:
             if self.device.type != "cpu" or self.dtype not in (None, torch.bfloat16):
-                raise ValueError(f"quantize={quantize!r} needs device cpu and dtype bfloat16 (or auto)")
+                raise ValueError(f"quantize={self.quantize!r} needs device cpu and dtype bfloat16 (or auto)")
             self.dtype = torch.bfloat16
         if self.dtype is None and self.device.type == "cuda":
             self.dtype = torch.bfloat16
@@ -74,10 +78,28 @@ class TorchEngine:
             eos_token_ids=self._tokenizer.eos_token_ids,
             capabilities=Capabilities(max_logprobs=max(20, config.max_logprobs),
                                       adapters=config.adapters_dir is not None),
-            fingerprint_inputs={k: self.manifest[k] for k in ("served_model_name", "weights_sha256", "dtype",
-                                                              "format", "format_version") if k in self.manifest},
+            fingerprint_inputs={**{k: self.manifest[k] for k in ("served_model_name", "weights_sha256", "dtype",
+                                                                 "format", "format_version") if k in self.manifest},
+                                "quantization": self.quantize or "none"},
             backend="torch",
         )
+
+    def _auto_quantization(self) -> str:
+        """int4 where the checkpoint's own weights are 4-bit (a Q4 GGUF: int4 then reads the very values
+        llama.cpp would) and the CPU computes in bfloat16; otherwise none."""
+        source = (self.manifest.get("source") or {}).get("quantization") or ""
+        bf16 = self.dtype == torch.bfloat16 or (self.dtype is None and _cpu_has_bf16())
+        four_bit = source.upper().startswith(("Q4", "IQ4"))
+        return "int4" if self.device.type == "cpu" and bf16 and four_bit and not self.config.batch_invariant \
+            else "none"
+
+    def _small_batch(self, dtype: torch.dtype) -> int:
+        """Small decode batches take kernels of their own on a bfloat16 CPU (measured there: float32
+        attention, int4); never where every batch size must compute alike."""
+        from trtserver.engine.torch.model import SMALL_BATCH
+
+        on = self.device.type == "cpu" and dtype == torch.bfloat16 and not self.config.batch_invariant
+        return SMALL_BATCH if on else 0
 
     @classmethod
     def from_dir(cls, engine_dir: str | Path, *, seed: int | None = None, quantize: str | None = None,
@@ -139,7 +161,7 @@ class TorchEngine:
             self.lora.install(model)
         self.core = EngineCore(model, num_slots=self.config.max_batch_size, max_len=self.max_model_len,
                                chunk_size=self.config.prefill_chunk_size, eos_token_ids=self._info.eos_token_ids,
-                               device=self.device, seed=self.seed)
+                               device=self.device, seed=self.seed, small_batch=self._small_batch(dtype))
         self.core.lora = self.lora
         if self.device.type == "cuda" and self.config.cuda_graphs:
             from trtserver.engine.torch.graphs import capture_decode_graphs

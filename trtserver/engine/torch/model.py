@@ -64,6 +64,20 @@ class ModelArgs:
         )
 
 
+SMALL_BATCH = 4
+"""Decode batches up to this many rows take the small-batch kernels (CPU): float32 attention and the
+quantized projections. Above it, and for prefill, the bfloat16 kernels are faster; the two sets round
+differently, so ``batch_invariant`` turns the small-batch set off."""
+
+
+@dataclass(slots=True)
+class KernelSwitch:
+    """Shared by the model and its quantized projections: whether the forward under way (and the
+    ``logits`` after it) takes the small-batch kernels. Set from ``ForwardContext.small``."""
+
+    small: bool = False
+
+
 @dataclass(slots=True)
 class ForwardContext:
     """Where a batch's tokens sit in the cache. ``B`` rows of ``T`` tokens."""
@@ -74,6 +88,7 @@ class ForwardContext:
     length: int  # keys to attend over (the longest live length in the batch)
     mask: Tensor | None  # (B, 1, T, length) True = attend; None = every key visible, or causal
     causal: bool = False  # prefill of one prompt from position 0: T == length, no mask needed
+    small: bool = False  # a decode batch that takes the small-batch kernels (SMALL_BATCH)
     dense: tuple[Tensor, Tensor] | None = None  # flat K, V buffers: decode copies the live keys there (bf16 CPU)
 
 
@@ -113,7 +128,7 @@ class Attention(nn.Module):
         if ctx.slot_start is not None:
             keys = k_cache[ctx.slot_start:ctx.slot_start + B, :, :ctx.length]  # (B, nkv, L, hs), a view
             values = v_cache[ctx.slot_start:ctx.slot_start + B, :, :ctx.length]
-            if ctx.dense is not None and T == 1:
+            if ctx.dense is not None and T == 1 and not ctx.small:
                 # oneDNN's bf16 bmm on this strided view is slower than a copy into a dense, reused
                 # buffer plus the dense bmm (1.5-2.5x per layer at 4-16 rows; same numbers)
                 n = keys.numel()
@@ -122,6 +137,13 @@ class Attention(nn.Module):
         else:
             keys = k_cache[ctx.slots, :, :ctx.length]  # (B, nkv, L, hs), gathered
             values = v_cache[ctx.slots, :, :ctx.length]
+        if ctx.small:
+            # a few rows: float32 SDPA is 2-3x faster than bfloat16 matmuls with 3 query rows per
+            # kv head; at 16 rows the bfloat16 path below wins (the conversion reads K/V once more)
+            y = F.scaled_dot_product_attention(
+                q.transpose(1, 2).float(), keys.float(), values.float(), attn_mask=ctx.mask, enable_gqa=nh != nkv,
+            ).to(x.dtype)  # (B, nh, 1, hs)
+            return self.wo(y.view(B, 1, nh * hs))
         if T == 1:  # decode: two small matmuls beat the flash kernel for one query row
             q = q.view(B, nkv, nh // nkv, hs)  # (B, nkv, g, hs): q head j*g + i reads kv head j
             scores = (q @ keys.transpose(-1, -2)).float() * (hs ** -0.5)  # (B, nkv, g, L)
@@ -173,6 +195,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.rope_cos: Tensor | None = None
         self.rope_sin: Tensor | None = None
+        self.kernels = KernelSwitch()
 
     def setup_rope(self, max_len: int) -> None:
         """Precompute cos/sin for positions 0..max_len (the last one is the cache's scratch)."""
@@ -183,6 +206,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: Tensor, ctx: ForwardContext, cache: KVCache) -> Tensor:
         """Hidden states after the final norm, ``(B, T, dim)``; the caller picks rows for ``logits``."""
         assert self.rope_cos is not None and self.rope_sin is not None
+        self.kernels.small = ctx.small
         x = self.tok_embeddings(tokens)  # (B, T, dim)
         cos = self.rope_cos[ctx.pos].unsqueeze(2)  # (B, T, 1, hs)
         sin = self.rope_sin[ctx.pos].unsqueeze(2)
@@ -317,18 +341,18 @@ def pack_for_cpu(model: Transformer) -> None:
 # ---- optional weight-only int4 (CPU) -----------------------------------------------------------
 
 class Int4Linear(nn.Module):
-    """Weight-only int4 for decode-sized batches: groups of 32 along the input dimension, each
+    """Weight-only int4 for small decode batches: groups of 32 along the input dimension, each
     with its own scale and zero (the layout of the GGUF Q4_1 blocks SmolLM2 ships in, so those
     weights come back nearly exactly). Decode is bound by reading weights, and int4 reads a
-    quarter of bfloat16's bytes; prefill (many rows) keeps the bfloat16 GEMM, which is faster
-    there than the int4 kernel.
+    quarter of bfloat16's bytes; prefill and larger batches keep the bfloat16 GEMM, which is
+    faster there than this kernel (its time grows with the rows: 6x from 1 to 16).
     """
 
     GROUP = 32
-    MAX_ROWS = 4  # above this many rows, the (pre-packed) bf16 GEMM wins on this kernel
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, kernels: KernelSwitch) -> None:
         super().__init__()
+        self.kernels = kernels
         w = linear.weight.detach()
         N, K = w.shape
         g = self.GROUP
@@ -345,22 +369,50 @@ class Int4Linear(nn.Module):
         self.dense: nn.Module = PackedLinear(linear) if can_pack_for_cpu() else linear
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows > self.MAX_ROWS:
+        if not self.kernels.small:
             return self.dense(x)
+        rows = x.numel() // x.shape[-1]
         y = torch._weight_int4pack_mm_for_cpu(x.reshape(rows, x.shape[-1]), self.packed, self.GROUP,
                                               self.scales_zeros).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
+class Int4Head(Int4Linear):
+    """The output head in int4, corrected where it matters: the int4 kernel scores every token, then
+    the ``REFINE`` best of each row are scored again with the bfloat16 weights. The head of a Q4 GGUF
+    is often kept at 8 bits (SmolLM2's is Q8_0), and 4 bits there changes greedy text; with the
+    correction every token that can win or carry real probability has its bfloat16 logit, at the
+    cost of one top-k and ``REFINE`` dot products per row (the whole head in bfloat16 would read
+    3.3x the bytes)."""
+
+    REFINE = 64
+
+    def __init__(self, linear: nn.Linear, kernels: KernelSwitch) -> None:
+        super().__init__(linear, kernels)
+        self.weight = linear.weight  # (V, dim); shared with the embedding table when tied
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = super().forward(x)
+        if not self.kernels.small:
+            return y  # the bfloat16 GEMM already
+        rows = x.numel() // x.shape[-1]
+        flat, xs = y.view(rows, self.out_features), x.reshape(rows, 1, x.shape[-1])
+        best = flat.topk(self.REFINE, dim=-1, sorted=False).indices  # (rows, REFINE)
+        exact = (xs.float() @ self.weight[best].float().transpose(1, 2)).view(rows, self.REFINE)
+        if self.bias is not None:
+            exact += self.bias[best]
+        flat.scatter_(1, best, exact.to(flat.dtype))
+        return y
+
+
 class Int8Linear(nn.Module):
     """Weight-only int8, one symmetric scale per output channel (``aten._weight_int8pack_mm``).
-    Like int4, only for decode-sized batches; more rows take the pre-packed bfloat16 GEMM."""
+    Like int4, only for small decode batches (at 16 rows this kernel takes about twice the
+    pre-packed bfloat16 GEMM's time)."""
 
-    MAX_ROWS = 4  # at 16 rows the int8 kernel takes about twice the bf16 GEMM's time (2 cores)
-
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, kernels: KernelSwitch) -> None:
         super().__init__()
+        self.kernels = kernels
         w = linear.weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)  # (N,)
         self.q = (w / scale.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8)  # (N, K)
@@ -370,9 +422,9 @@ class Int8Linear(nn.Module):
         self.dense: nn.Module = PackedLinear(linear) if can_pack_for_cpu() else linear
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows > self.MAX_ROWS:
+        if not self.kernels.small:
             return self.dense(x)
+        rows = x.numel() // x.shape[-1]
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, x.shape[-1]), self.q, self.scale)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
@@ -388,12 +440,13 @@ def quantize_weights(model: Transformer, kind: str) -> None:
     if kind == "int4" and (model.args.dim % Int4Linear.GROUP or model.args.intermediate_size % Int4Linear.GROUP):
         raise ValueError("int4 weights need dimensions divisible by 32")
     cls: type[nn.Module] = {"int8": Int8Linear, "int4": Int4Linear}[kind]
+    k = model.kernels
     for layer in cast("list[Block]", model.layers):
-        layer.attention.wqkv = cls(_linear(layer.attention.wqkv))
-        layer.attention.wo = cls(_linear(layer.attention.wo))
-        layer.feed_forward.w13 = cls(_linear(layer.feed_forward.w13))
-        layer.feed_forward.w2 = cls(_linear(layer.feed_forward.w2))
+        layer.attention.wqkv = cls(_linear(layer.attention.wqkv), k)
+        layer.attention.wo = cls(_linear(layer.attention.wo), k)
+        layer.feed_forward.w13 = cls(_linear(layer.feed_forward.w13), k)
+        layer.feed_forward.w2 = cls(_linear(layer.feed_forward.w2), k)
     if kind == "int4":
-        model.output = Int4Linear(model.output)  # type: ignore[assignment]
+        model.output = Int4Head(model.output, k)  # type: ignore[assignment]
     elif can_pack_for_cpu():
         model.output = PackedLinear(model.output)  # type: ignore[assignment]
