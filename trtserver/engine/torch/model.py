@@ -89,6 +89,16 @@ class ForwardContext:
     mask: Tensor | None  # (B, 1, T, length) True = attend; None = every key visible, or causal
     causal: bool = False  # prefill of one prompt from position 0: T == length, no mask needed
     small: bool = False  # a decode batch that takes the small-batch kernels (SMALL_BATCH)
+    _rows: Tensor | None = None
+
+    def cache_rows(self, cache: Tensor) -> Tensor:
+        """Where each (row, token, kv head) goes in ``cache.view(-1, head_dim)``; the same for every
+        layer, so computed once per forward."""
+        if self._rows is None:
+            _, nkv, positions, _ = cache.shape
+            heads = torch.arange(nkv, device=cache.device)
+            self._rows = ((self.slots.view(-1, 1, 1) * nkv + heads) * positions + self.pos.unsqueeze(-1)).view(-1)
+        return self._rows
     dense: tuple[Tensor, Tensor] | None = None  # flat K, V buffers: decode copies the live keys there (bf16 CPU)
 
 
@@ -99,9 +109,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # in float32 like Hugging Face's; F.rms_norm's bfloat16 CPU kernel is ~20x slower than these ops
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        # normalised in float32, then cast and scaled, as Hugging Face's (same bits); F.rms_norm's
+        # bfloat16 CPU kernel is ~20x slower than its float32 one
+        return F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype) * self.weight
 
 
 class Attention(nn.Module):
@@ -122,9 +132,9 @@ class Attention(nn.Module):
         qk = apply_rope(qk.view(B, T, nh + nkv, hs), cos, sin)  # rotate q and k in one go
         q, k = qk.split([nh, nkv], dim=2)  # (B, T, nh, hs), (B, T, nkv, hs)
         v = v.view(B, T, nkv, hs)
-        slots = ctx.slots.unsqueeze(1)  # (B, 1) broadcast against pos (B, T)
-        k_cache[slots, :, ctx.pos] = k  # indexed as (B, T, nkv, hs)
-        v_cache[slots, :, ctx.pos] = v
+        rows = ctx.cache_rows(k_cache)  # (B * T * nkv,) rows of the cache seen as (-1, hs)
+        k_cache.view(-1, hs).index_copy_(0, rows, k.reshape(-1, hs))
+        v_cache.view(-1, hs).index_copy_(0, rows, v.reshape(-1, hs))
         if ctx.slot_start is not None:
             keys = k_cache[ctx.slot_start:ctx.slot_start + B, :, :ctx.length]  # (B, nkv, L, hs), a view
             values = v_cache[ctx.slot_start:ctx.slot_start + B, :, :ctx.length]
