@@ -86,7 +86,8 @@ class ForwardContext:
     slots: Tensor  # (B,) KV slot of each row
     slot_start: int | None  # rows are slots slot_start.. in order: read the cache through a view
     length: int  # keys to attend over (the longest live length in the batch)
-    mask: Tensor | None  # (B, 1, T, length) True = attend; None = every key visible, or causal
+    # prefill: (B, 1, T, length) bool, True = attend; None = causal. Decode: (B, 1, 1, length) float32, 0 or -inf
+    mask: Tensor | None
     causal: bool = False  # prefill of one prompt from position 0: T == length, no mask needed
     small: bool = False  # a decode batch that takes the small-batch kernels (SMALL_BATCH)
     _rows: Tensor | None = None
@@ -158,7 +159,7 @@ class Attention(nn.Module):
             q = q.view(B, nkv, nh // nkv, hs)  # (B, nkv, g, hs): q head j*g + i reads kv head j
             scores = (q @ keys.transpose(-1, -2)).float() * (hs ** -0.5)  # (B, nkv, g, L)
             if ctx.mask is not None:
-                scores.masked_fill_(~ctx.mask, float("-inf"))  # mask (B, 1, 1, L)
+                scores += ctx.mask  # (B, 1, 1, L), additive in decode
             y = scores.softmax(dim=-1).to(values.dtype) @ values  # (B, nkv, g, hs)
             return self.wo(y.view(B, 1, nh * hs))
         y = F.scaled_dot_product_attention(
@@ -395,7 +396,7 @@ class Int4Head(Int4Linear):
     cost of one top-k and ``REFINE`` dot products per row (the whole head in bfloat16 would read
     3.3x the bytes)."""
 
-    REFINE = 64
+    REFINE = 256
 
     def __init__(self, linear: nn.Linear, kernels: KernelSwitch) -> None:
         super().__init__(linear, kernels)

@@ -1,0 +1,71 @@
+"""What the small-batch kernels cost in accuracy: the same text scored token by token through the
+bfloat16 decode path and through the small-batch path (float32 attention, int4 projections and the
+refined int4 head), on the real default model.
+
+    .venv/bin/python -m bench.quality [--engine-dir DIR]
+
+Prints perplexity under each path, how often their top-1 tokens agree, and the largest difference
+in the logprob of the text's next token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+
+from bench.prompts import LONG
+from trtserver.engine.torch.core import attention_length, decode_mask
+from trtserver.engine.torch.engine import TorchEngine
+from trtserver.engine.torch.model import ForwardContext
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@torch.inference_mode()
+def score(engine: TorchEngine, ids: list[int], small: bool) -> tuple[list[float], list[int]]:
+    """Logprob of each next token of ``ids`` and the top-1 prediction, one decode step per token."""
+    core = engine.core
+    model, device = core.model, core.device
+    logprobs, top1 = [], []
+    for i in range(len(ids) - 1):
+        pos = torch.tensor([[i]], device=device)
+        length = min(attention_length(i + 1), core.max_len + 1)
+        ctx = ForwardContext(pos, torch.tensor([0], device=device), 0, length,
+                             decode_mask(core._positions[:length], pos), dense=core._dense, small=small)
+        hidden = model(torch.tensor([[ids[i]]], device=device), ctx, core.cache)
+        lp = torch.log_softmax(model.logits(hidden[:, 0]).float(), dim=-1)[0]
+        logprobs.append(lp[ids[i + 1]].item())
+        top1.append(int(lp.argmax()))
+    return logprobs, top1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine-dir", default=str(ROOT / "engines" / "SmolLM2-135M-Instruct"))
+    args = ap.parse_args()
+    engine = TorchEngine.from_dir(args.engine_dir, device="cpu", dtype="bfloat16", quantization="int4",
+                                  max_batch_size=1, max_model_len=512, threads=1)
+    engine.load()
+    ids = engine.tokenizer.encode(LONG)
+    reference = TorchEngine.from_dir(args.engine_dir, device="cpu", dtype="float32", max_batch_size=1,
+                                     max_model_len=512, threads=1)
+    reference.load()
+    ref, ref_top = score(reference, ids, small=False)
+    n = len(ref)
+    print(f"{n} tokens of bench.prompts.LONG, one decode step each; against float32 weights and arithmetic")
+    print("| path | perplexity | top-1 = float32's | largest logprob difference from float32 |")
+    print("|---|---:|---:|---:|")
+    print(f"| float32 (the GGUF's weights dequantized) | {math.exp(-sum(ref) / n):.3f} | - | - |")
+    for label, small in (("bfloat16 (batches above 4 rows; --batch-invariant)", False),
+                         ("small-batch kernels (float32 attention, int4 + refined head)", True)):
+        lps, top = score(engine, ids, small=small)
+        agree = sum(a == b for a, b in zip(top, ref_top)) / n
+        worst = max(abs(a - b) for a, b in zip(lps, ref))
+        print(f"| {label} | {math.exp(-sum(lps) / n):.3f} | {100 * agree:.1f} % | {worst:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
