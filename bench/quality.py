@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from bench.prompts import LONG
-from trtserver.engine.torch.core import attention_length, decode_mask
+from trtserver.engine.torch.core import attention_length
 from trtserver.engine.torch.engine import TorchEngine
 from trtserver.engine.torch.model import ForwardContext
 
@@ -34,7 +34,7 @@ def score(engine: TorchEngine, ids: list[int], small: bool) -> tuple[list[float]
         pos = torch.tensor([[i]], device=device)
         length = min(attention_length(i + 1), core.max_len + 1)
         ctx = ForwardContext(pos, torch.tensor([0], device=device), 0, length,
-                             decode_mask(core._positions[:length], pos), dense=core._dense, small=small)
+                             (core._positions[:length] <= pos).view(1, 1, 1, length), dense=core._dense, small=small)
         hidden = model(torch.tensor([[ids[i]]], device=device), ctx, core.cache)
         lp = torch.log_softmax(model.logits(hidden[:, 0]).float(), dim=-1)[0]
         logprobs.append(lp[ids[i + 1]].item())

@@ -185,7 +185,7 @@ class EngineCore:
             tokens = torch.tensor([[s.last_token] for s in seqs], device=self.device)  # (B, 1)
             pos = torch.tensor(positions, device=self.device).unsqueeze(1)  # (B, 1)
             length = min(attention_length(max(positions) + 1), self.max_len + 1)
-            mask = decode_mask(self._positions[:length], pos)
+            mask = (self._positions[:length] <= pos).view(B, 1, 1, length)  # (B, 1, 1, L)
             ctx = ForwardContext(pos, torch.tensor(slots, device=self.device), _contiguous(slots), length, mask,
                                  dense=self._dense, small=B <= self.small_batch)
             hidden = self.model(tokens, ctx, self.cache)  # (B, 1, dim)
@@ -287,13 +287,6 @@ class EngineCore:
             out.append(delta)
         self._dirty.clear()
         return out
-
-
-def decode_mask(positions: Tensor, pos: Tensor) -> Tensor:
-    """``(B, 1, 1, L)`` float32, 0 where key position <= the row's position and -inf after: both decode
-    attentions add it to their float32 scores (one tensor per step instead of a bool per layer)."""
-    B, L = pos.shape[0], positions.shape[0]
-    return torch.zeros((B, 1, 1, L), device=pos.device).masked_fill_((positions > pos).view(B, 1, 1, L), float("-inf"))
 
 
 def attention_length(n: int) -> int:

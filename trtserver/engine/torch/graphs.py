@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from trtserver.engine.torch.core import decode_mask
 from trtserver.engine.torch.model import ForwardContext
 
 if TYPE_CHECKING:
@@ -45,7 +44,9 @@ class DecodeGraphs:
 
     def _step(self, length: int) -> Tensor:
         core = self.core
-        ctx = ForwardContext(self.pos, self.slots, 0, length, decode_mask(core._positions[:length], self.pos))
+        S = self.num_slots
+        mask = (core._positions[:length] <= self.pos).view(S, 1, 1, length)  # (S, 1, 1, L)
+        ctx = ForwardContext(self.pos, self.slots, 0, length, mask)
         hidden = core.model(self.tokens, ctx, core.cache)  # (S, 1, dim)
         return core.model.logits(hidden[:, 0])  # (S, V)
 

@@ -86,8 +86,7 @@ class ForwardContext:
     slots: Tensor  # (B,) KV slot of each row
     slot_start: int | None  # rows are slots slot_start.. in order: read the cache through a view
     length: int  # keys to attend over (the longest live length in the batch)
-    # prefill: (B, 1, T, length) bool, True = attend; None = causal. Decode: (B, 1, 1, length) float32, 0 or -inf
-    mask: Tensor | None
+    mask: Tensor | None  # (B, 1, T, length) True = attend; None = every key visible, or causal
     causal: bool = False  # prefill of one prompt from position 0: T == length, no mask needed
     small: bool = False  # a decode batch that takes the small-batch kernels (SMALL_BATCH)
     _rows: Tensor | None = None
@@ -159,7 +158,7 @@ class Attention(nn.Module):
             q = q.view(B, nkv, nh // nkv, hs)  # (B, nkv, g, hs): q head j*g + i reads kv head j
             scores = (q @ keys.transpose(-1, -2)).float() * (hs ** -0.5)  # (B, nkv, g, L)
             if ctx.mask is not None:
-                scores += ctx.mask  # (B, 1, 1, L), additive in decode
+                scores.masked_fill_(~ctx.mask, float("-inf"))  # mask (B, 1, 1, L)
             y = scores.softmax(dim=-1).to(values.dtype) @ values  # (B, nkv, g, hs)
             return self.wo(y.view(B, 1, nh * hs))
         y = F.scaled_dot_product_attention(
