@@ -312,6 +312,11 @@ def test_quantization_auto_is_int4_for_a_q4_gguf_in_bfloat16(smol_dir) -> None: 
     assert quantize(dtype="bfloat16", quantization="none") is None
     with pytest.raises(ValueError, match="batch_invariant"):
         quantize(dtype="bfloat16", quantization="int4", batch_invariant=True)
+    # what changes the tokens changes the system fingerprint's inputs
+    fast = TorchEngine.from_dir(smol_dir, device="cpu", dtype="bfloat16").info.fingerprint_inputs
+    strict = TorchEngine.from_dir(smol_dir, device="cpu", dtype="bfloat16", batch_invariant=True).info.fingerprint_inputs
+    assert (fast["quantization"], fast["batch_invariant"]) == ("int4", False)
+    assert (strict["quantization"], strict["batch_invariant"]) == ("none", True)
 
 
 def test_quantization_auto_is_none_without_a_4bit_source(smol_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -80,7 +80,7 @@ class TorchEngine:
                                       adapters=config.adapters_dir is not None),
             fingerprint_inputs={**{k: self.manifest[k] for k in ("served_model_name", "weights_sha256", "dtype",
                                                                  "format", "format_version") if k in self.manifest},
-                                "quantization": self.quantize or "none"},
+                                "quantization": self.quantize or "none", "batch_invariant": config.batch_invariant},
             backend="torch",
         )
 

@@ -2,7 +2,8 @@
 the running build.
 
 Inputs: the engine's manifest facts (``EngineInfo.fingerprint_inputs``: served model name, weights
-checksum, dtype, format and format version, or TensorRT-LLM's version and build arguments), the
+checksum, dtype, format and format version, the PyTorch engine's weight quantization and batch
+invariance, or TensorRT-LLM's version and build arguments), the
 backend name, and the installed versions of trtserver and of the runtime (``torch`` or
 ``tensorrt_llm``, read from package metadata; neither is imported). The same build restarted gives
 the same fingerprint; changing any input changes it, as OpenAI's does when the backend changes.
