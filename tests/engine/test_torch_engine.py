@@ -313,8 +313,10 @@ def test_quantization_auto_is_int4_for_a_q4_gguf_in_bfloat16(smol_dir) -> None: 
     with pytest.raises(ValueError, match="batch_invariant"):
         quantize(dtype="bfloat16", quantization="int4", batch_invariant=True)
     # what changes the tokens changes the system fingerprint's inputs
-    fast = TorchEngine.from_dir(smol_dir, device="cpu", dtype="bfloat16").info.fingerprint_inputs
-    strict = TorchEngine.from_dir(smol_dir, device="cpu", dtype="bfloat16", batch_invariant=True).info.fingerprint_inputs
+    def inputs(**options: object) -> dict:  # type: ignore[type-arg]
+        return TorchEngine.from_dir(smol_dir, device="cpu", dtype="bfloat16", **options).info.fingerprint_inputs
+
+    fast, strict = inputs(), inputs(batch_invariant=True)
     assert (fast["quantization"], fast["batch_invariant"]) == ("int4", False)
     assert (strict["quantization"], strict["batch_invariant"]) == ("none", True)
 
