@@ -143,11 +143,11 @@ class TorchEngine:
         dtype = self.dtype or pick_cpu_dtype()
         model = load_model(self.path, dtype, self.device)
         if self.quantize is not None:
-            from trtserver.engine.torch.model import quantize_weights
+            from trtserver.engine.torch.cpu_weights import quantize_weights
 
             quantize_weights(model, self.quantize)
         elif self.device.type == "cpu":
-            from trtserver.engine.torch.model import can_pack_for_cpu, pack_for_cpu
+            from trtserver.engine.torch.cpu_weights import can_pack_for_cpu, pack_for_cpu
 
             if can_pack_for_cpu():
                 pack_for_cpu(model)
@@ -225,7 +225,7 @@ def pick_cpu_dtype() -> torch.dtype:
     Where /proc/cpuinfo lists those, bfloat16 without timing: on a busy machine the timing is noise
     (it picked float32 on a loaded avx512_bf16 box, which then decoded at half speed), and it
     costs ~1 s of start-up."""
-    from trtserver.engine.torch.model import PackedLinear, can_pack_for_cpu
+    from trtserver.engine.torch.cpu_weights import PackedLinear, can_pack_for_cpu
 
     if _cpu_has_bf16():
         log.info("dtype auto on CPU: bfloat16 (the CPU has native bf16 dot products)")

@@ -1,0 +1,162 @@
+"""Weight formats of the CPU engine: oneDNN's pre-packed bfloat16 and weight-only int4 / int8.
+
+The quantized projections serve only the small-batch path (``model.KernelSwitch``); each keeps a
+pre-packed bfloat16 copy for prefill and larger batches.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from torch import Tensor, nn
+
+from trtserver.engine.torch.model import Block, KernelSwitch, Transformer
+
+# ---- CPU: oneDNN's pre-packed weights ------------------------------------------------------------
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weight is stored in oneDNN's blocked layout once, at load, instead of
+    being repacked by every GEMM call: about 40% less time per decode step on 2 cores."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self.bias = linear.bias
+        self.out_features = linear.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def can_pack_for_cpu() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _linear(module: nn.Module) -> nn.Linear:
+    if not isinstance(module, nn.Linear):
+        raise TypeError(f"expected an nn.Linear to replace, got {type(module).__name__}")
+    return module
+
+
+def pack_for_cpu(model: Transformer) -> None:
+    """Swap every nn.Linear (projections and the output head) for a PackedLinear."""
+    for layer in cast("list[Block]", model.layers):
+        attn, ff = layer.attention, layer.feed_forward
+        attn.wqkv, attn.wo = PackedLinear(_linear(attn.wqkv)), PackedLinear(_linear(attn.wo))
+        ff.w13, ff.w2 = PackedLinear(_linear(ff.w13)), PackedLinear(_linear(ff.w2))
+    model.output = PackedLinear(model.output)  # type: ignore[assignment]
+
+
+# ---- optional weight-only int4 (CPU) -----------------------------------------------------------
+
+class Int4Linear(nn.Module):
+    """Weight-only int4 for small decode batches: groups of 32 along the input dimension, each
+    with its own scale and zero (the layout of the GGUF Q4_1 blocks SmolLM2 ships in, so those
+    weights come back nearly exactly). Decode is bound by reading weights, and int4 reads a
+    quarter of bfloat16's bytes; prefill and larger batches keep the bfloat16 GEMM, which is
+    faster there than this kernel (its time grows with the rows: 6x from 1 to 16).
+    """
+
+    GROUP = 32
+
+    def __init__(self, linear: nn.Linear, kernels: KernelSwitch) -> None:
+        super().__init__()
+        self.kernels = kernels
+        w = linear.weight.detach()
+        N, K = w.shape
+        g = self.GROUP
+        groups = w.float().view(N, K // g, g)
+        lo, hi = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scale = ((hi - lo) / 15).clamp(min=1e-10)
+        q = ((groups - lo) / scale).round().clamp(0, 15).to(torch.int32).view(N, K)
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
+        self.scales_zeros = torch.stack([scale.view(N, K // g).t(), zero.view(N, K // g).t()], -1) \
+            .contiguous().to(torch.bfloat16)  # (K / g, N, 2)
+        self.bias = linear.bias
+        self.out_features = N
+        self.dense: nn.Module = PackedLinear(linear) if can_pack_for_cpu() else linear
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.kernels.small:
+            return self.dense(x)
+        rows = x.numel() // x.shape[-1]
+        y = torch._weight_int4pack_mm_for_cpu(x.reshape(rows, x.shape[-1]), self.packed, self.GROUP,
+                                              self.scales_zeros).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Head(Int4Linear):
+    """The output head in int4, corrected where it matters: the int4 kernel scores every token, then
+    the ``REFINE`` best of each row are scored again with the bfloat16 weights. The head of a Q4 GGUF
+    is often kept at 8 bits (SmolLM2's is Q8_0), and 4 bits there changes greedy text; with the
+    correction every token that can win or carry real probability has its bfloat16 logit, at the
+    cost of one top-k and ``REFINE`` dot products per row (the whole head in bfloat16 would read
+    3.3x the bytes)."""
+
+    REFINE = 256
+
+    def __init__(self, linear: nn.Linear, kernels: KernelSwitch) -> None:
+        super().__init__(linear, kernels)
+        self.weight = linear.weight  # (V, dim); shared with the embedding table when tied
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = super().forward(x)
+        if not self.kernels.small:
+            return y  # the bfloat16 GEMM already
+        rows = x.numel() // x.shape[-1]
+        flat, xs = y.view(rows, self.out_features), x.reshape(rows, 1, x.shape[-1])
+        best = flat.topk(self.REFINE, dim=-1, sorted=False).indices  # (rows, REFINE)
+        exact = (xs.float() @ self.weight[best].float().transpose(1, 2)).view(rows, self.REFINE)
+        if self.bias is not None:
+            exact += self.bias[best]
+        flat.scatter_(1, best, exact.to(flat.dtype))
+        return y
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8, one symmetric scale per output channel (``aten._weight_int8pack_mm``).
+    Like int4, only for small decode batches (at 16 rows this kernel takes about twice the
+    pre-packed bfloat16 GEMM's time)."""
+
+    def __init__(self, linear: nn.Linear, kernels: KernelSwitch) -> None:
+        super().__init__()
+        self.kernels = kernels
+        w = linear.weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)  # (N,)
+        self.q = (w / scale.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8)  # (N, K)
+        self.scale = scale.to(linear.weight.dtype)
+        self.bias = linear.bias
+        self.out_features = self.q.shape[0]
+        self.dense: nn.Module = PackedLinear(linear) if can_pack_for_cpu() else linear
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.kernels.small:
+            return self.dense(x)
+        rows = x.numel() // x.shape[-1]
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, x.shape[-1]), self.q, self.scale)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_weights(model: Transformer, kind: str) -> None:
+    """Give every projection (and, for int4, the output head) a weight-only int8 / int4 copy for
+    decode (CPU, bfloat16 only). int8 leaves the output head in bfloat16: the int8 kernel is no
+    faster than the pre-packed bf16 GEMM on a 49152 x 576 matrix (5.5 vs 5.3 ms, one thread)."""
+    weight = model.tok_embeddings.weight
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        raise ValueError(f"{kind} weights need dtype bfloat16 on the CPU")
+    if kind == "int4" and (model.args.dim % Int4Linear.GROUP or model.args.intermediate_size % Int4Linear.GROUP):
+        raise ValueError("int4 weights need dimensions divisible by 32")
+    cls: type[nn.Module] = {"int8": Int8Linear, "int4": Int4Linear}[kind]
+    k = model.kernels
+    for layer in cast("list[Block]", model.layers):
+        layer.attention.wqkv = cls(_linear(layer.attention.wqkv), k)
+        layer.attention.wo = cls(_linear(layer.attention.wo), k)
+        layer.feed_forward.w13 = cls(_linear(layer.feed_forward.w13), k)
+        layer.feed_forward.w2 = cls(_linear(layer.feed_forward.w2), k)
+    if kind == "int4":
+        model.output = Int4Head(model.output, k)  # type: ignore[assignment]
+    elif can_pack_for_cpu():
+        model.output = PackedLinear(model.output)  # type: ignore[assignment]
