@@ -2,7 +2,9 @@
 
 Built on the meta device and loaded from Hugging Face safetensors with ``assign=True``, so no
 weight is allocated twice. q/k/v and gate/up are fused into one matmul each at load time.
-Attention reads K/V from the static cache (``cache.py``) over the live length only.
+Attention reads K/V from the static cache (``cache.py``) over the live length only (in decode,
+rounded up to a few fixed lengths and masked: ``core.attention_length``). The CPU weight formats
+that can replace the projections are in ``cpu_weights.py``.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class ForwardContext:
     mask: Tensor | None  # (B, 1, T, length) True = attend; None = every key visible, or causal
     causal: bool = False  # prefill of one prompt from position 0: T == length, no mask needed
     small: bool = False  # a decode batch that takes the small-batch kernels (SMALL_BATCH)
+    dense: tuple[Tensor, Tensor] | None = None  # flat K, V buffers: decode copies the live keys there (bf16 CPU)
     _rows: Tensor | None = None
 
     def cache_rows(self, cache: Tensor) -> Tensor:
@@ -98,7 +101,6 @@ class ForwardContext:
             heads = torch.arange(nkv, device=cache.device)
             self._rows = ((self.slots.view(-1, 1, 1) * nkv + heads) * positions + self.pos.unsqueeze(-1)).view(-1)
         return self._rows
-    dense: tuple[Tensor, Tensor] | None = None  # flat K, V buffers: decode copies the live keys there (bf16 CPU)
 
 
 class RMSNorm(nn.Module):
