@@ -85,11 +85,12 @@ class TorchEngine:
         )
 
     def _auto_quantization(self) -> str:
-        """int4 where the checkpoint's own weights are 4-bit (a Q4 GGUF: int4 then reads the very values
-        llama.cpp would) and the CPU computes in bfloat16; otherwise none."""
+        """int4 where the checkpoint's own weights are linear 4-bit blocks of 32 (a Q4 GGUF; for Q4_1,
+        int4 reads the very values llama.cpp would) and the CPU computes in bfloat16; otherwise none.
+        IQ4 types are not on a linear grid, so they do not count."""
         source = (self.manifest.get("source") or {}).get("quantization") or ""
         bf16 = self.dtype == torch.bfloat16 or (self.dtype is None and _cpu_has_bf16())
-        four_bit = source.upper().startswith(("Q4", "IQ4"))
+        four_bit = source.upper().startswith("Q4")
         return "int4" if self.device.type == "cpu" and bf16 and four_bit and not self.config.batch_invariant \
             else "none"
 
