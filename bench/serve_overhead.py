@@ -22,6 +22,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.client import run_load
+from bench.peers import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Once upon a time, in a land far away,"
@@ -81,11 +82,7 @@ async def measure(engine_dir: str, flags: str, tokens: int) -> dict[str, float]:
             out[f"tpcpu_{streams}"] = total / max(cpu, 1e-9)
         out["rss_after_mib"], out["rss_peak_mib"], _ = _proc(proc.pid)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
     return out
 
 

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.peers import stop_process
+
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_DIR = REPO / "engines" / "SmolLM2-135M-Instruct"
 KINDS = ("stream", "n2", "logprobs", "disconnect")
@@ -82,13 +84,7 @@ class ServerProcess:
         return int(match.group(1)) / 1024 if match else float("nan")
 
     def stop(self) -> int | None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        stop_process(self.process, timeout_s=40)
         self._log.close()
         return self.process.returncode
 
