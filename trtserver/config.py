@@ -34,6 +34,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_model_len: Annotated[int, Meta(ge=1)] | None = None
     prefill_chunk_size: Annotated[int, Meta(ge=16)] = 512
     threads: Annotated[int, Meta(ge=0)] = 0  # 0 = all cores but one on CPU (the event loop's)
+    # CPU: threads for prefill and decode batches above 4 rows, whose GEMMs pay for a second core; 0 = every core
+    batch_threads: Annotated[int, Meta(ge=0)] = 0
     # weight-only, PyTorch engine on CPU; auto = int4 when the weights came from a 4-bit GGUF (see docs/engines.md)
     quantization: Literal["auto", "none", "int8", "int4"] = "auto"
     # one set of kernels for every batch size: a request's tokens never depend on its neighbours

@@ -333,6 +333,49 @@ def test_quantization_auto_is_none_without_a_4bit_source(smol_dir, tmp_path) -> 
     assert TorchEngine.from_dir(tmp_path, device="cpu", dtype="bfloat16").quantize is None
 
 
+def test_thread_counts_follow_the_options(smol_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """(small forwards, large forwards) on an 8-core CPU: a core left to the event loop only where
+    the GEMMs are too small to share."""
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+
+    def threads(**options: object) -> tuple[int, int] | None:
+        return TorchEngine.from_dir(smol_dir, device="cpu", dtype="bfloat16", **options)._threads()  # type: ignore[arg-type]
+
+    assert threads() == (7, 8)
+    assert threads(threads=3) == (3, 3)  # --threads alone pins both, as before --batch-threads existed
+    assert threads(batch_threads=2) == (7, 2)
+    assert threads(threads=3, batch_threads=5) == (3, 5)
+    assert threads(batch_invariant=True) == (7, 7)  # one count: the GEMMs' blocking may follow it
+
+
+def test_core_switches_threads_by_rows_in_the_forward(smol_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from trtserver.engine.torch.model import SMALL_BATCH
+
+    eng = TorchEngine.from_dir(smol_dir, device="cpu", dtype="float32", max_batch_size=8, max_model_len=64,
+                               threads=1, batch_threads=2)
+    eng.load()
+    core = eng.core
+    assert core.threads == (1, 2)
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)  # record only: the test stays on one core
+
+    def add(name: str, prompt_len: int) -> None:
+        core.add(GenerationRequest(name, list(range(10, 10 + prompt_len)),
+                                   SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
+
+    add("long", 2 * SMALL_BATCH)
+    core.step()  # prefill of 8 prompt tokens: large
+    core.step()  # decode, 1 row: small
+    core.step()  # again: no call, the count is already right
+    for i in range(SMALL_BATCH):
+        add(f"short{i}", 2)
+    core.step()  # prefill of 4 x 2 tokens, then a decode of 1 row
+    core.step()  # decode of 5 rows: large
+    assert calls == [2, 1, 2, 1, 2]
+
+
 async def test_batch_invariant_bfloat16_beyond_the_small_batch(smol_dir) -> None:  # type: ignore[no-untyped-def]
     """More rows than SMALL_BATCH: with batch_invariant, each prompt's greedy tokens are the same alone
     and in the crowd, although alone it is a batch of one."""

@@ -15,7 +15,7 @@ from torch import Tensor
 from trtserver.engine.base import FinishReason, GenerationRequest, SequenceOutput
 from trtserver.engine.torch.beam import BeamState
 from trtserver.engine.torch.cache import KVCache
-from trtserver.engine.torch.model import ForwardContext, Transformer
+from trtserver.engine.torch.model import SMALL_BATCH, ForwardContext, Transformer
 from trtserver.engine.torch.sampler import Sampler
 from trtserver.engine.torch.scheduler import PrefillChunk, Scheduler
 from trtserver.engine.torch.sequence import Group, Sequence
@@ -24,9 +24,14 @@ from trtserver.engine.torch.sequence import Group, Sequence
 class EngineCore:
     def __init__(self, model: Transformer, *, num_slots: int, max_len: int, chunk_size: int,
                  eos_token_ids: Seq[int], device: torch.device, seed: int | None = None,
-                 small_batch: int = 0) -> None:
+                 small_batch: int = 0, threads: tuple[int, int] | None = None) -> None:
         """``small_batch``: decode batches of up to this many rows take the small-batch kernels
-        (``model.SMALL_BATCH``: float32 attention, quantized projections); 0 = never."""
+        (``model.SMALL_BATCH``: float32 attention, quantized projections); 0 = never.
+
+        ``threads`` (CPU): torch threads for forwards of up to ``SMALL_BATCH`` rows (decode GEMVs,
+        bound by reading weights: a second thread's hand-over costs more than it brings) and for
+        larger ones (prefill, big decode batches: their GEMMs are compute-bound and nearly halve on
+        two cores); None = leave torch's setting alone."""
         args = model.args
         dtype = model.tok_embeddings.weight.dtype
         self.model, self.device, self.max_len = model, device, max_len
@@ -38,6 +43,8 @@ class EngineCore:
         self._positions = torch.arange(max_len + 1, device=device)
         self._dense = self.cache.dense if dtype == torch.bfloat16 else None  # CPU only (None on CUDA)
         self.small_batch = small_batch
+        self.threads = threads
+        self._threads_now = 0
         self._dirty: dict[Sequence, None] = {}  # sequences with something to report, in order
         self.num_prefill_forwards = 0  # observability (and the tests' spy)
         self.num_decode_forwards = 0
@@ -120,6 +127,7 @@ class EngineCore:
         ctx = ForwardContext(pos, torch.tensor(slots, device=self.device), _contiguous(slots), length, mask, causal)
         if self.lora is not None:
             self.lora.bind([c.group.adapter for c in chunks])
+        self._use_threads(sum(c.end - c.start for c in chunks))
         hidden = self.model(tokens.to(self.device), ctx, self.cache)  # (B, T, dim)
         self.num_prefill_forwards += 1
 
@@ -188,6 +196,7 @@ class EngineCore:
             mask = (self._positions[:length] <= pos).view(B, 1, 1, length)  # (B, 1, 1, L)
             ctx = ForwardContext(pos, torch.tensor(slots, device=self.device), _contiguous(slots), length, mask,
                                  dense=self._dense, small=B <= self.small_batch)
+            self._use_threads(B)
             hidden = self.model(tokens, ctx, self.cache)  # (B, 1, dim)
             logits = self.model.logits(hidden[:, 0])  # (B, V)
         self.num_decode_forwards += 1
@@ -205,6 +214,13 @@ class EngineCore:
                 beams.setdefault(s.group, []).append(i)
         for group, idx in beams.items():
             self._beam_step(group, logits[idx], first=False)
+
+    def _use_threads(self, rows: int) -> None:
+        if self.threads is not None:
+            n = self.threads[rows > SMALL_BATCH]
+            if n != self._threads_now:  # set only on a change; the setting stays for the sampler too
+                torch.set_num_threads(n)
+                self._threads_now = n
 
     # ---- after the model ---------------------------------------------------------------------
     def _sample(self, logits: Tensor, seqs: list[Sequence]) -> None:

@@ -102,6 +102,18 @@ class TorchEngine:
         on = self.device.type == "cpu" and dtype == torch.bfloat16 and not self.config.batch_invariant
         return SMALL_BATCH if on else 0
 
+    def _threads(self) -> tuple[int, int] | None:
+        """Torch threads for (small, large) forwards (``EngineCore``). On CPU by default: every core
+        but one for small decode batches, leaving a core to the event loop; every core for prefill
+        and larger decode batches. ``threads`` alone sets both; ``batch_threads`` the second. A
+        batch-invariant server keeps one count (the GEMMs' blocking may follow it)."""
+        config, cores = self.config, os.cpu_count() or 1
+        if self.device.type != "cpu":
+            return (config.threads, config.threads) if config.threads > 0 else None
+        small = config.threads or max(1, cores - 1)
+        large = small if config.batch_invariant else config.batch_threads or config.threads or cores
+        return small, large
+
     @classmethod
     def from_dir(cls, engine_dir: str | Path, *, seed: int | None = None, quantize: str | None = None,
                  **options: Any) -> TorchEngine:
@@ -136,10 +148,9 @@ class TorchEngine:
             # oneDNN caches a primitive per GEMM shape (1024 by default); with ever-new batch and chunk
             # shapes that cache is what grew RSS under a soak. 256 holds the decode working set.
             os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
-        if self.config.threads > 0:
-            torch.set_num_threads(self.config.threads)
-        elif self.device.type == "cpu":  # leave a core to the event loop (HTTP, tokenizing, streaming)
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+        threads = self._threads()
+        if threads is not None:
+            torch.set_num_threads(threads[0])
         t0 = time.perf_counter()
         dtype = self.dtype or pick_cpu_dtype()
         model = load_model(self.path, dtype, self.device)
@@ -162,7 +173,8 @@ class TorchEngine:
             self.lora.install(model)
         self.core = EngineCore(model, num_slots=self.config.max_batch_size, max_len=self.max_model_len,
                                chunk_size=self.config.prefill_chunk_size, eos_token_ids=self._info.eos_token_ids,
-                               device=self.device, seed=self.seed, small_batch=self._small_batch(dtype))
+                               device=self.device, seed=self.seed, small_batch=self._small_batch(dtype),
+                               threads=threads)
         self.core.lora = self.lora
         if self.device.type == "cuda" and self.config.cuda_graphs:
             from trtserver.engine.torch.graphs import capture_decode_graphs
