@@ -80,7 +80,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.kernels.small:
-            return self.dense(x)
+            return self.dense.forward(x)
         rows = x.numel() // x.shape[-1]
         y = torch._weight_int4pack_mm_for_cpu(x.reshape(rows, x.shape[-1]), self.packed, self.GROUP,
                                               self.scales_zeros).view(*x.shape[:-1], self.out_features)
@@ -133,7 +133,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.kernels.small:
-            return self.dense(x)
+            return self.dense.forward(x)
         rows = x.numel() // x.shape[-1]
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, x.shape[-1]), self.q, self.scale)
         y = y.view(*x.shape[:-1], self.out_features)

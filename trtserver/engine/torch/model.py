@@ -5,6 +5,10 @@ weight is allocated twice. q/k/v and gate/up are fused into one matmul each at l
 Attention reads K/V from the static cache (``cache.py``) over the live length only (in decode,
 rounded up to a few fixed lengths and masked: ``core.attention_length``). The CPU weight formats
 that can replace the projections are in ``cpu_weights.py``.
+
+The layers call their submodules' ``forward`` directly: ``nn.Module.__call__`` checks for hooks
+(none are used here; LoRA swaps modules instead) at ~2 µs a call, ~270 calls per decode step, which
+was 3-4 % of a one-row step on the CPU.
 """
 
 from __future__ import annotations
@@ -128,7 +132,7 @@ class Attention(nn.Module):
                 ctx: ForwardContext) -> Tensor:
         B, T, _ = x.shape
         nh, nkv, hs = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.wqkv(x)  # (B, T, (nh + 2 nkv) * hs)
+        qkv = self.wqkv.forward(x)  # (B, T, (nh + 2 nkv) * hs)
         qk, v = qkv.split([(nh + nkv) * hs, nkv * hs], dim=-1)
         qk = apply_rope(qk.view(B, T, nh + nkv, hs), cos, sin)  # rotate q and k in one go
         q, k = qk.split([nh, nkv], dim=2)  # (B, T, nh, hs), (B, T, nkv, hs)
@@ -154,14 +158,14 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(
                 q.transpose(1, 2).float(), keys.float(), values.float(), attn_mask=ctx.mask, enable_gqa=nh != nkv,
             ).to(x.dtype)  # (B, nh, 1, hs)
-            return self.wo(y.view(B, 1, nh * hs))
+            return self.wo.forward(y.view(B, 1, nh * hs))
         if T == 1:  # decode: two small matmuls beat the flash kernel for one query row
             q = q.view(B, nkv, nh // nkv, hs)  # (B, nkv, g, hs): q head j*g + i reads kv head j
             scores = (q @ keys.transpose(-1, -2)).float() * (hs ** -0.5)  # (B, nkv, g, L)
             if ctx.mask is not None:
                 scores.masked_fill_(~ctx.mask, float("-inf"))  # mask (B, 1, 1, L)
             y = scores.softmax(dim=-1).to(values.dtype) @ values  # (B, nkv, g, hs)
-            return self.wo(y.view(B, 1, nh * hs))
+            return self.wo.forward(y.view(B, 1, nh * hs))
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values,  # (B, nh, T, hs) against (B, nkv, L, hs)
             attn_mask=ctx.mask, is_causal=ctx.causal, enable_gqa=nh != nkv,
@@ -176,8 +180,8 @@ class FeedForward(nn.Module):
         self.w2: nn.Module = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        gate, up = self.w13.forward(x).chunk(2, dim=-1)
+        return self.w2.forward(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -190,8 +194,8 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                 ctx: ForwardContext) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, k_cache, v_cache, ctx)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self.attention.forward(self.attention_norm.forward(x), cos, sin, k_cache, v_cache, ctx)
+        return h + self.feed_forward.forward(self.ffn_norm.forward(h))
 
 
 class Transformer(nn.Module):
@@ -209,8 +213,11 @@ class Transformer(nn.Module):
         self.kernels = KernelSwitch()
 
     def setup_rope(self, max_len: int) -> None:
-        """Precompute cos/sin for positions 0..max_len (the last one is the cache's scratch)."""
+        """Precompute cos and signed sin (``apply_rope``) for positions 0..max_len (the last one is
+        the cache's scratch)."""
         cos, sin = rope_tables(self.args, max_len + 1, self.tok_embeddings.weight.device)
+        half = self.args.head_dim // 2
+        sin[:, :half].neg_()
         dtype = self.tok_embeddings.weight.dtype
         self.rope_cos, self.rope_sin = cos.to(dtype), sin.to(dtype)
 
@@ -222,17 +229,18 @@ class Transformer(nn.Module):
         cos = self.rope_cos[ctx.pos].unsqueeze(2)  # (B, T, 1, hs)
         sin = self.rope_sin[ctx.pos].unsqueeze(2)
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-            x = layer(x, cos, sin, k_cache, v_cache, ctx)
+            x = layer.forward(x, cos, sin, k_cache, v_cache, ctx)
         return self.norm(x)
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.output(hidden).float()  # (..., vocab)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Hugging Face's rotate-half convention (the checkpoints' q/k rows are permuted for it)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """Hugging Face's rotate-half convention (the checkpoints' q/k rows are permuted for it):
+    ``x * cos + cat(-x2, x1) * sin``, written as ``x * cos + cat(x2, x1) * cat(-sin, sin)`` with the
+    sign in the table, which is the same bits in two fewer ops."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 def rope_tables(args: ModelArgs, n_pos: int, device: torch.device) -> tuple[Tensor, Tensor]:
