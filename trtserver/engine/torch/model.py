@@ -96,6 +96,7 @@ class ForwardContext:
     small: bool = False  # a decode batch that takes the small-batch kernels (SMALL_BATCH)
     dense: tuple[Tensor, Tensor] | None = None  # flat K, V buffers: decode copies the live keys there (bf16 CPU)
     _rows: Tensor | None = None
+    _additive_mask: Tensor | None = None
 
     def cache_rows(self, cache: Tensor) -> Tensor:
         """Where each (row, token, kv head) goes in ``cache.view(-1, head_dim)``; the same for every
@@ -105,6 +106,14 @@ class ForwardContext:
             heads = torch.arange(nkv, device=cache.device)
             self._rows = ((self.slots.view(-1, 1, 1) * nkv + heads) * positions + self.pos.unsqueeze(-1)).view(-1)
         return self._rows
+
+    def additive_mask(self) -> Tensor | None:
+        """``mask`` as float32 0 / -inf, what SDPA turns a boolean mask into on every call (same
+        bits); once per forward instead of once per layer."""
+        if self._additive_mask is None and self.mask is not None:
+            self._additive_mask = torch.zeros(self.mask.shape, device=self.mask.device).masked_fill_(
+                ~self.mask, float("-inf"))
+        return self._additive_mask
 
 
 class RMSNorm(nn.Module):
@@ -156,7 +165,8 @@ class Attention(nn.Module):
             # a few rows: float32 SDPA is 2-3x faster than bfloat16 matmuls with 3 query rows per
             # kv head; at 16 rows the bfloat16 path below wins (the conversion reads K/V once more)
             y = F.scaled_dot_product_attention(
-                q.transpose(1, 2).float(), keys.float(), values.float(), attn_mask=ctx.mask, enable_gqa=nh != nkv,
+                q.transpose(1, 2).float(), keys.float(), values.float(), attn_mask=ctx.additive_mask(),
+                enable_gqa=nh != nkv,
             ).to(x.dtype)  # (B, nh, 1, hs)
             return self.wo.forward(y.view(B, 1, nh * hs))
         if T == 1:  # decode: two small matmuls beat the flash kernel for one query row
