@@ -8,6 +8,8 @@
 
 Scenarios (temperature 0, 128 tokens each): one stream with a short and a ~230-token prompt, then 4 and 16
 concurrent closed-loop streams; aggregate tokens/s, p50/p99 latency, time to first token; RSS and start-up time.
+Both servers are up together and each scenario runs on ours, then right after on the peer: this machine's speed
+drifts by tens of percent over minutes, and a ratio is only worth something when its two figures are seconds apart.
 The peer runs from its own venv (``.cache/bench-llamacpp-venv``, installed on first use, reused after).
 Everything is bounded (per-request timeouts, start-up timeouts, ``--max-minutes``), loopback only, and every
 process started is stopped on the way out.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import os
@@ -136,37 +139,51 @@ async def probe_extra(server: peers.Server, model: str, tokens: int, ours: bool)
     return extra, notes
 
 
-async def drive(server: peers.Server, run: ServerRun, args: argparse.Namespace, ours: bool, deadline: float) -> None:
-    model = model_name(server.base_url)
-    run.rss_idle = server.sample_rss()
-    extra, notes = await probe_extra(server, model, args.tokens, ours)
-    run.notes += notes
-    await run_load(server.base_url, model, SHORT, 16, 1, 1, extra=extra)  # warm-up
+async def drive(servers: list[tuple[peers.Server, ServerRun, bool]], args: argparse.Namespace,
+                deadline: float) -> None:
+    """Every scenario for every server, one server right after the other: this machine's speed drifts by
+    tens of percent over minutes, so ours and the peer's figures for a scenario are taken seconds apart."""
+    models: dict[str, str] = {}
+    extras: dict[str, dict[str, Any]] = {}
+    for server, run, ours in servers:
+        models[server.name] = model = model_name(server.base_url)
+        run.rss_idle = server.sample_rss()
+        extras[server.name], notes = await probe_extra(server, model, args.tokens, ours)
+        run.notes += notes
+        await run_load(server.base_url, model, SHORT, 16, 1, 1, extra=extras[server.name])  # warm-up
     for sc in scenarios(args):
-        if time.monotonic() > deadline:
-            run.notes.append(f"{server.name}: skipped '{sc.name}' (past --max-minutes)")
-            continue
-        cpu0, main0 = server.cpu_seconds(), server.main_thread_cpu_seconds()
-        with RssSampler(server):
-            load = await run_load(server.base_url, model, sc.prompt, args.tokens, sc.streams, sc.per_stream,
-                                  extra=extra, timeout_s=args.request_timeout)
-        run.loads[sc.name] = load
-        run.cpu_s[sc.name] = server.cpu_seconds() - cpu0
-        run.main_cpu_s[sc.name] = server.main_thread_cpu_seconds() - main0
-        short = [r.tokens for r in load.ok if r.tokens != args.tokens]
-        if load.failures or short:
-            errors = {r.error for r in load.results if not r.ok}
-            run.notes.append(f"{server.name} '{sc.name}': {load.failures} failed {sorted(errors)[:2]}, "
-                             f"{len(short)} streams not {args.tokens} tokens ({short[:5]})")
-        print(f"[bench] {server.name:9s} {sc.name:28s} agg {load.agg_tps:7.1f} tok/s  per-stream "
-              f"{load.per_stream_tps:6.1f} tok/s  ttft p50 {1000 * load.pct('ttft_s', 50):7.0f} ms  "
-              f"lat p50 {load.pct('latency_s', 50):6.2f} s p99 {load.pct('latency_s', 99):6.2f} s  "
-              f"[{load.counted_by}]", flush=True)
-    if ours and args.profile and args.device == "cpu" and time.monotonic() < deadline:
-        for streams in (1, 16):
-            if time.monotonic() < deadline:
-                run.profile[streams] = await profile_round(server, model, extra, args, streams)
-    run.rss_peak = server.peak_rss
+        for server, run, _ in servers:
+            if time.monotonic() > deadline:
+                run.notes.append(f"{server.name}: skipped '{sc.name}' (past --max-minutes)")
+                continue
+            await run_scenario(server, run, sc, models[server.name], extras[server.name], args)
+    for server, run, ours in servers:
+        if ours and args.profile and args.device == "cpu" and time.monotonic() < deadline:
+            for streams in (1, 16):
+                if time.monotonic() < deadline:
+                    run.profile[streams] = await profile_round(server, models[server.name],
+                                                               extras[server.name], args, streams)
+        run.rss_peak = server.peak_rss
+
+
+async def run_scenario(server: peers.Server, run: ServerRun, sc: Scenario, model: str, extra: dict[str, Any],
+                       args: argparse.Namespace) -> None:
+    cpu0, main0 = server.cpu_seconds(), server.main_thread_cpu_seconds()
+    with RssSampler(server):
+        load = await run_load(server.base_url, model, sc.prompt, args.tokens, sc.streams, sc.per_stream,
+                              extra=extra, timeout_s=args.request_timeout)
+    run.loads[sc.name] = load
+    run.cpu_s[sc.name] = server.cpu_seconds() - cpu0
+    run.main_cpu_s[sc.name] = server.main_thread_cpu_seconds() - main0
+    short = [r.tokens for r in load.ok if r.tokens != args.tokens]
+    if load.failures or short:
+        errors = {r.error for r in load.results if not r.ok}
+        run.notes.append(f"{server.name} '{sc.name}': {load.failures} failed {sorted(errors)[:2]}, "
+                         f"{len(short)} streams not {args.tokens} tokens ({short[:5]})")
+    print(f"[bench] {server.name:9s} {sc.name:28s} agg {load.agg_tps:7.1f} tok/s  per-stream "
+          f"{load.per_stream_tps:6.1f} tok/s  ttft p50 {1000 * load.pct('ttft_s', 50):7.0f} ms  "
+          f"lat p50 {load.pct('latency_s', 50):6.2f} s p99 {load.pct('latency_s', 99):6.2f} s  "
+          f"[{load.counted_by}]", flush=True)
 
 
 async def profile_round(server: peers.Server, model: str, extra: dict[str, Any], args: argparse.Namespace,
@@ -195,13 +212,10 @@ async def profile_round(server: peers.Server, model: str, extra: dict[str, Any],
     return summarize_profile(raw)
 
 
-def run_server(server: peers.Server, run: ServerRun, args: argparse.Namespace, ours: bool, deadline: float) -> None:
+def start_server(server: peers.Server, run: ServerRun, args: argparse.Namespace) -> None:
     print(f"[bench] starting {server.name}: {' '.join(server.cmd)}", flush=True)
-    with server:
-        run.startup_s = server.start(timeout_s=args.start_timeout)
-        print(f"[bench] {server.name} ready in {run.startup_s:.2f} s, RSS {server.peak_rss / 2**20:.0f} MiB",
-              flush=True)
-        asyncio.run(drive(server, run, args, ours, deadline))
+    run.startup_s = server.start(timeout_s=args.start_timeout)
+    print(f"[bench] {server.name} ready in {run.startup_s:.2f} s, RSS {server.peak_rss / 2**20:.0f} MiB", flush=True)
 
 
 def inproc(python: Path, kind: str, extra: list[str], timeout_s: float) -> dict[str, Any]:
@@ -276,24 +290,30 @@ def main(argv: list[str] | None = None) -> int:
         ours_extra += ["--max-batch-size", "64"]
     ours = ServerRun("ours")
     server = peers.ours(engine_dir, peers.free_port(), device=args.device, extra=ours_extra)
-    try:
-        run_server(server, ours, args, True, deadline)
-    except (RuntimeError, TimeoutError) as exc:
-        print(f"[bench] our server did not start: {exc}\n{server.log_text()[-2000:]}", file=sys.stderr)
-        return 1
-    dtype = args.ours_dtype
-    ours.notes.append(f"ours: `{' '.join(server.cmd)}` (dtype {dtype})")
-
     peer: ServerRun | None = None
+    pserver: peers.Server | None = None
     if not ours_only and llama_py is not None and gguf is not None:
         peer = ServerRun("llamacpp")
         pserver = peers.llamacpp(llama_py, gguf, peers.free_port(), n_threads=args.peer_threads)
+    with server, contextlib.ExitStack() as stack:
         try:
-            run_server(pserver, peer, args, False, deadline)
-            peer.notes.append(f"peer: `{' '.join(pserver.cmd)}`")
+            start_server(server, ours, args)
         except (RuntimeError, TimeoutError) as exc:
-            peer.notes.append(f"peer failed: {exc}")
-            print(f"[bench] {exc}\n{pserver.log_text()[-2000:]}", flush=True)
+            print(f"[bench] our server did not start: {exc}\n{server.log_text()[-2000:]}", file=sys.stderr)
+            return 1
+        ours.notes.append(f"ours: `{' '.join(server.cmd)}` (dtype {args.ours_dtype})")
+        driven: list[tuple[peers.Server, ServerRun, bool]] = [(server, ours, True)]
+        if pserver is not None and peer is not None:
+            stack.enter_context(pserver)
+            try:
+                start_server(pserver, peer, args)
+                peer.notes.append(f"peer: `{' '.join(pserver.cmd)}`")
+                driven.append((pserver, peer, False))
+            except (RuntimeError, TimeoutError) as exc:
+                peer.notes.append(f"peer failed: {exc}")
+                print(f"[bench] {exc}\n{pserver.log_text()[-2000:]}", flush=True)
+        asyncio.run(drive(driven, args, deadline))
+    dtype = args.ours_dtype
 
     extra_rows: list[tuple[str, str, str, str, str]] = []
     notes = ours.notes + (peer.notes if peer else [])
