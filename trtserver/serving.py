@@ -219,50 +219,43 @@ class CompletionService:
         continuous = options is not None and options.include_usage and options.continuous_usage_stats
         # best_of > n and beam search are collected and ranked: keep every sequence apart until then
         stride = request.n if request.stream else (request.best_of or request.n)
+        remaining = len(choices)
+        # the engine sends a prompt's logprobs once (with its first sequence); every choice echoes them
+        prompt_scores: dict[int, PromptScores] = {}
         try:
-            async with aclosing(self._chunk_loop(prepared, choices, namer, stride, continuous)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+            async with aclosing(self._engine_outputs(prepared)) as outputs:
+                async for prompt_index, delta in outputs:
+                    if delta.prompt_token_logprobs is not None:
+                        prompt_scores[prompt_index] = PromptScores(
+                            delta.prompt_token_logprobs,
+                            delta.prompt_logprobs or [None] * len(delta.prompt_token_logprobs))
+                    choice = choices.get((prompt_index, delta.index))
+                    if choice is None or choice.finished:
+                        continue
+                    piece = self._chunk_choice(prepared, choice, delta, namer, stride,
+                                               prompt_scores.get(prompt_index))
+                    if choice.finished:
+                        remaining -= 1
+                        if delta.finish_reason is None:  # we stopped it (stop string): free it in the engine now
+                            self.engine.abort(prepared.engine_requests[prompt_index].request_id, delta.index)
+                    if piece is not None:
+                        if prepared.first_token_at is None:
+                            prepared.first_token_at = time.monotonic()
+                        usage = None
+                        if continuous:
+                            usage = Usage(choice.prompt_tokens, choice.completion_tokens,
+                                          choice.prompt_tokens + choice.completion_tokens)
+                        yield self._chunk(prepared, [piece], usage)
+                    if remaining == 0:
+                        break
             prepared.completed = True
         finally:
             prepared.usage = self.usage(prepared, choices.values())
 
-    async def _chunk_loop(self, prepared: Prepared, choices: dict[tuple[int, int], ChoiceState], namer: TokenNamer,
-                          stride: int, continuous: bool) -> AsyncGenerator[CompletionResponse, None]:
-        remaining = len(choices)
-        # the engine sends a prompt's logprobs once (with its first sequence); every choice echoes them
-        prompt_scores: dict[int, PromptScores] = {}
-        async with aclosing(self._engine_outputs(prepared)) as outputs:
-            async for prompt_index, delta in outputs:
-                if delta.prompt_token_logprobs is not None:
-                    prompt_scores[prompt_index] = PromptScores(
-                        delta.prompt_token_logprobs,
-                        delta.prompt_logprobs or [None] * len(delta.prompt_token_logprobs))
-                choice = choices.get((prompt_index, delta.index))
-                if choice is None or choice.finished:
-                    continue
-                piece = self._chunk_choice(prepared, choice, delta, namer, stride, prompt_scores.get(prompt_index))
-                if choice.finished:
-                    remaining -= 1
-                    if delta.finish_reason is None:  # we stopped it (stop string): free it in the engine now
-                        self.engine.abort(prepared.engine_requests[prompt_index].request_id, delta.index)
-                if piece is not None:
-                    if prepared.first_token_at is None:
-                        prepared.first_token_at = time.monotonic()
-                    usage = None
-                    if continuous:
-                        usage = Usage(choice.prompt_tokens, choice.completion_tokens,
-                                      choice.prompt_tokens + choice.completion_tokens)
-                    yield self._chunk(prepared, [piece], usage)
-                if remaining == 0:
-                    break
-
-    async def _engine_outputs(self, prepared: Prepared) -> AsyncGenerator[tuple[int, SequenceOutput], None]:
+    def _engine_outputs(self, prepared: Prepared) -> AsyncGenerator[tuple[int, SequenceOutput], None]:
         """Every prompt's engine stream, interleaved as deltas arrive (``max_tokens=0`` too: engines
         answer it with an empty "length" delta per sequence, after their own checks)."""
-        async with aclosing(merge_streams([self.engine.generate(r) for r in prepared.engine_requests])) as merged:
-            async for item in merged:
-                yield item
+        return merge_streams([self.engine.generate(r) for r in prepared.engine_requests])
 
     def _chunk_choice(self, prepared: Prepared, choice: ChoiceState, delta: SequenceOutput,
                       namer: TokenNamer, stride: int, scores: PromptScores | None) -> CompletionChoice | None:
@@ -325,6 +318,9 @@ class CompletionService:
         prompt_tokens = sum(len(p.token_ids) for p in prepared.prompts)
         completion = sum(c.completion_tokens for c in choices)
         return Usage(prompt_tokens, completion, prompt_tokens + completion)
+
+    def wants_response_ready(self) -> bool:
+        return bool(self.pm.hook.trtserver_response_ready.get_hookimpls())
 
     async def response_ready(self, prepared: Prepared, response: CompletionResponse) -> None:
         """Fire ``trtserver_response_ready``; a failing plugin is logged, never the client's problem."""

@@ -59,7 +59,8 @@ def _event(payload: object) -> bytes:
 async def stream_response(request: web.Request, service: CompletionService, prepared: Prepared,
                           timeout_s: float | None) -> web.StreamResponse:
     chunks = service.stream(prepared)
-    joined = ChoiceMerger()  # what trtserver_response_ready sees
+    # what trtserver_response_ready sees, joined only where a plugin implements it (a cost per token)
+    joined = ChoiceMerger() if service.wants_response_ready() else None
     usage = None
     deadline = Deadline(timeout_s)
     # the first chunk is produced before the headers go out, so early errors are plain 4xx/5xx
@@ -69,7 +70,8 @@ async def stream_response(request: web.Request, service: CompletionService, prep
     try:
         while chunk is not None:
             await response.write(_event(chunk))
-            joined.add(chunk)
+            if joined is not None:
+                joined.add(chunk)
             usage = chunk.usage or usage
             chunk = await deadline.next(chunks)
     except errors.APIError as exc:
@@ -81,11 +83,12 @@ async def stream_response(request: web.Request, service: CompletionService, prep
         await response.write(_event(errors.EngineError("The server had an error while streaming the response.")
                                     .envelope()))
     else:
-        whole = CompletionResponse(id=prepared.response_id, created=prepared.created, model=service.model_name,
-                                   choices=joined.ordered(), usage=usage or prepared.usage,
-                                   system_fingerprint=service.system_fingerprint,
-                                   service_tier=prepared.context.service_tier or UNSET)
-        await service.response_ready(prepared, whole)
+        if joined is not None:
+            whole = CompletionResponse(id=prepared.response_id, created=prepared.created, model=service.model_name,
+                                       choices=joined.ordered(), usage=usage or prepared.usage,
+                                       system_fingerprint=service.system_fingerprint,
+                                       service_tier=prepared.context.service_tier or UNSET)
+            await service.response_ready(prepared, whole)
     finally:
         await chunks.aclose()
     await response.write(b"data: [DONE]\n\n")
