@@ -219,33 +219,36 @@ class CompletionService:
         continuous = options is not None and options.include_usage and options.continuous_usage_stats
         # best_of > n and beam search are collected and ranked: keep every sequence apart until then
         stride = request.n if request.stream else (request.best_of or request.n)
-        remaining = len(choices)
         # the engine sends a prompt's logprobs once (with its first sequence); every choice echoes them
         prompt_scores: dict[int, PromptScores] = {}
+
+        def on_delta(prompt_index: int, delta: SequenceOutput) -> tuple[CompletionResponse | None, bool]:
+            """The chunk one engine delta makes (None: nothing to send), and whether its choice just ended."""
+            if delta.prompt_token_logprobs is not None:
+                prompt_scores[prompt_index] = PromptScores(
+                    delta.prompt_token_logprobs, delta.prompt_logprobs or [None] * len(delta.prompt_token_logprobs))
+            choice = choices.get((prompt_index, delta.index))
+            if choice is None or choice.finished:
+                return None, False
+            piece = self._chunk_choice(prepared, choice, delta, namer, stride, prompt_scores.get(prompt_index))
+            if choice.finished and delta.finish_reason is None:  # we stopped it (stop string): free it now
+                self.engine.abort(prepared.engine_requests[prompt_index].request_id, delta.index)
+            if piece is None:
+                return None, choice.finished
+            if prepared.first_token_at is None:
+                prepared.first_token_at = time.monotonic()
+            usage = Usage(choice.prompt_tokens, choice.completion_tokens,
+                          choice.prompt_tokens + choice.completion_tokens) if continuous else None
+            return self._chunk(prepared, [piece], usage), choice.finished
+
+        remaining = len(choices)
         try:
             async with aclosing(self._engine_outputs(prepared)) as outputs:
                 async for prompt_index, delta in outputs:
-                    if delta.prompt_token_logprobs is not None:
-                        prompt_scores[prompt_index] = PromptScores(
-                            delta.prompt_token_logprobs,
-                            delta.prompt_logprobs or [None] * len(delta.prompt_token_logprobs))
-                    choice = choices.get((prompt_index, delta.index))
-                    if choice is None or choice.finished:
-                        continue
-                    piece = self._chunk_choice(prepared, choice, delta, namer, stride,
-                                               prompt_scores.get(prompt_index))
-                    if choice.finished:
-                        remaining -= 1
-                        if delta.finish_reason is None:  # we stopped it (stop string): free it in the engine now
-                            self.engine.abort(prepared.engine_requests[prompt_index].request_id, delta.index)
-                    if piece is not None:
-                        if prepared.first_token_at is None:
-                            prepared.first_token_at = time.monotonic()
-                        usage = None
-                        if continuous:
-                            usage = Usage(choice.prompt_tokens, choice.completion_tokens,
-                                          choice.prompt_tokens + choice.completion_tokens)
-                        yield self._chunk(prepared, [piece], usage)
+                    chunk, ended = on_delta(prompt_index, delta)
+                    remaining -= ended
+                    if chunk is not None:
+                        yield chunk
                     if remaining == 0:
                         break
             prepared.completed = True
