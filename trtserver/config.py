@@ -41,6 +41,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # one set of kernels for every batch size: a request's tokens never depend on its neighbours
     batch_invariant: bool = False
     cuda_graphs: bool = True
+    # the model in a process of its own, off the server's GIL (see trtserver/engine/torch/process.py)
+    engine_process: bool = True
     # TensorRT-LLM engine
     tensor_parallel_size: Annotated[int, Meta(ge=1)] = 1
     pipeline_parallel_size: Annotated[int, Meta(ge=1)] = 1

@@ -118,6 +118,7 @@ class TorchEngine:
     def from_dir(cls, engine_dir: str | Path, *, seed: int | None = None, quantize: str | None = None,
                  **options: Any) -> TorchEngine:
         """Options are ServerConfig fields: ``device``, ``dtype``, ``max_batch_size``, ..."""
+        options.setdefault("engine_process", False)  # in process: tests and benchmarks reach engine.core
         return cls(ServerConfig(engine_dir=str(engine_dir), engine="torch", **options), seed=seed, quantize=quantize)
 
     @property
@@ -131,6 +132,14 @@ class TorchEngine:
     # ---- life cycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         if self.runner is not None:
+            return
+        if self.config.engine_process:
+            from trtserver.engine.torch.process import EngineProcess
+
+            runner = EngineProcess(self.config, seed=self.seed, quantize=self.quantize, tokenizer=self._tokenizer)
+            await runner.start()
+            self.dtype = _DTYPES[runner.report["dtype"]]
+            self.runner = runner
             return
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.load)
@@ -201,11 +210,14 @@ class TorchEngine:
             raise InvalidRequest(f"n={request.n} exceeds the engine's {self.config.max_batch_size} sequence slots",
                                  param="n")
         if request.adapter is not None:  # 404 / 400 now, before the request is queued
-            if self.lora is None:
+            if self.adapters is None:
                 raise Unsupported("LoRA adapters are not enabled on this server; start it with --adapters-dir",
                                   param="peft")
-            self.lora.get(request.adapter)
-        if self.core.scheduler.num_waiting >= self.config.max_waiting:
+            if self.lora is not None:
+                self.lora.get(request.adapter)
+            else:  # the engine process loads the weights; its config is checked here
+                self.adapters.load_config(request.adapter)
+        if self.stats().waiting >= self.config.max_waiting:
             raise Overloaded("too many requests are waiting; retry later")
         return self.runner.generate(request, max(1, request.n))
 
@@ -213,7 +225,15 @@ class TorchEngine:
         if self.runner is not None:
             self.runner.abort(request_id, index)
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine process died under the server, if it did (``/health`` reports it)."""
+        return getattr(self.runner, "failure", None)
+
     def stats(self) -> EngineStats:
+        stats = getattr(self.runner, "stats", None)
+        if isinstance(stats, EngineStats):  # the engine process reports them with every step
+            return stats
         if self.core is None:
             return EngineStats(slots_total=self.config.max_batch_size)
         s = self.core.scheduler

@@ -25,12 +25,63 @@ log = logging.getLogger(__name__)
 _Command = tuple[str, object, object]
 
 
-class Runner:
+class RequestStreams:
+    """The event-loop side of an engine worker (a thread here, a process in ``process.py``): one
+    ``asyncio.Queue`` per running request, fed by ``_dispatch`` with each step's deltas."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, asyncio.Queue[SequenceOutput | BaseException]] = {}
+
+    async def generate(self, request: GenerationRequest, num_outputs: int) -> AsyncIterator[SequenceOutput]:
+        rid = request.request_id
+        if rid in self._queues:
+            raise ValueError(f"request id {rid!r} is already running")
+        q: asyncio.Queue[SequenceOutput | BaseException] = asyncio.Queue()
+        self._submit(request, q)
+        finished = False
+        try:
+            while num_outputs:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the worker already dropped the request
+                    raise item
+                if item.finish_reason is not None:
+                    num_outputs -= 1
+                yield item
+            finished = True
+        finally:
+            self._forget(rid)
+            if not finished:
+                self.abort(rid)
+
+    def _submit(self, request: GenerationRequest, q: asyncio.Queue[SequenceOutput | BaseException]) -> None:
+        """Register ``q`` under the request's id and send the request to the worker (or raise)."""
+        raise NotImplementedError
+
+    def _forget(self, rid: str) -> None:
+        self._queues.pop(rid, None)
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        raise NotImplementedError
+
+    def _dispatch(self, outputs: list[SequenceOutput], errors: list[tuple[str, BaseException]]) -> None:
+        queues = self._queues
+        for out in outputs:
+            q = queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+        for rid, exc in errors:
+            q = queues.get(rid)
+            if q is not None:
+                q.put_nowait(exc)
+
+
+class Runner(RequestStreams):
     def __init__(self, core: EngineCore) -> None:
+        super().__init__()
         self.core = core
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._queues: dict[str, asyncio.Queue[SequenceOutput | BaseException]] = {}
         self._loops: dict[str, asyncio.AbstractEventLoop] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -48,32 +99,17 @@ class Runner:
         for rid in list(self._queues):
             self._post(self._loops[rid], self._dispatch, [], [(rid, EngineError("the engine shut down"))])
 
-    async def generate(self, request: GenerationRequest, num_outputs: int) -> AsyncIterator[SequenceOutput]:
-        rid = request.request_id
-        if rid in self._queues:
-            raise ValueError(f"request id {rid!r} is already running")
+    def _submit(self, request: GenerationRequest, q: asyncio.Queue[SequenceOutput | BaseException]) -> None:
         if self._stopping or self._thread is None:
             raise EngineError("the engine is not running")
-        q: asyncio.Queue[SequenceOutput | BaseException] = asyncio.Queue()
+        rid = request.request_id
         self._loops[rid] = asyncio.get_running_loop()
         self._queues[rid] = q
         self._send(("add", request, None))
-        finished = False
-        try:
-            while num_outputs:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the worker already dropped the request
-                    raise item
-                if item.finish_reason is not None:
-                    num_outputs -= 1
-                yield item
-            finished = True
-        finally:
-            self._queues.pop(rid, None)
-            self._loops.pop(rid, None)
-            if not finished:
-                self.abort(rid)
+
+    def _forget(self, rid: str) -> None:
+        self._queues.pop(rid, None)
+        self._loops.pop(rid, None)
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         self._send(("abort", request_id, index))
@@ -81,17 +117,6 @@ class Runner:
     def _send(self, command: _Command) -> None:
         self._commands.put(command)
         self._wake.set()
-
-    def _dispatch(self, outputs: list[SequenceOutput], errors: list[tuple[str, BaseException]]) -> None:
-        queues = self._queues
-        for out in outputs:
-            q = queues.get(out.request_id)
-            if q is not None:
-                q.put_nowait(out)
-        for rid, exc in errors:
-            q = queues.get(rid)
-            if q is not None:
-                q.put_nowait(exc)
 
     # ---- worker side -----------------------------------------------------------------------
     def _work(self) -> None:

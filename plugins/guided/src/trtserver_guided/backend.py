@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -13,7 +14,7 @@ from trtserver_guided.cache import CompileCache
 from trtserver_guided.vocab import Vocab, vocab_for
 
 if TYPE_CHECKING:
-    from trtserver.engine.base import GuidedDecoder
+    from trtserver.engine.base import GuidedDecoder, TokenConstraint
     from trtserver.guided import GuideContext, GuideSpec
 
 INSTALL_HINT = "pip install 'trtserver-guided[{extra}]'"
@@ -43,7 +44,7 @@ class Backend:
     kinds: ClassVar[frozenset[str]] = frozenset({"json", "json_object", "regex", "choice", "grammar"})
 
     def __init__(self) -> None:
-        self.cache: CompileCache[GuidedDecoder] = CompileCache()
+        self.cache: CompileCache[Portable] = CompileCache()
         self._lock = threading.Lock()
         self._per_vocab: dict[int, tuple[Vocab, Any, np.ndarray, np.ndarray]] = {}
 
@@ -79,7 +80,8 @@ class Backend:
         data = self.tokenizer_data(context)
         key = (self.name, id(data[0]), spec.cache_key)
         timeout = float(context.compile_timeout_s)
-        return self.cache.get(key, lambda: self._compile(spec, data, timeout), timeout)
+        return self.cache.get(key, lambda: Portable(self._compile(spec, data, timeout), (self.name, spec, context)),
+                              timeout)
 
     # --- subclasses ---------------------------------------------------------------------------
     def _load(self, vocab: Vocab) -> Any:
@@ -88,3 +90,29 @@ class Backend:
     def _compile(self, spec: GuideSpec, data: tuple[Vocab, Any, np.ndarray, np.ndarray],
                  timeout: float) -> GuidedDecoder:
         raise NotImplementedError
+
+
+class Portable:
+    """A compiled guide that crosses to the server's engine process as its recipe (backend name,
+    spec, model context; a few hundred bytes, the tokenizer crossing as a reference) and is
+    compiled again there, once per guide, into that process's compile cache. The libraries'
+    compiled grammars do not pickle (xgrammar's), or carry the whole vocabulary (megabytes)."""
+
+    __slots__ = ("decoder", "recipe")
+
+    def __init__(self, decoder: GuidedDecoder, recipe: tuple[str, GuideSpec, GuideContext]) -> None:
+        self.decoder = decoder
+        self.recipe = recipe
+
+    def new_state(self) -> TokenConstraint:
+        return self.decoder.new_state()
+
+    def __reduce__(self) -> tuple[Callable[..., GuidedDecoder], tuple[str, GuideSpec, GuideContext]]:
+        return _recompile, self.recipe
+
+
+def _recompile(backend: str, spec: GuideSpec, context: GuideContext) -> GuidedDecoder:
+    from trtserver_guided.plugin import get_backend
+
+    return get_backend(backend).decoder(spec, context)
+

@@ -1,0 +1,150 @@
+"""The model in a process of its own (``--engine-process``, the server's default on the PyTorch engine).
+
+Why: the model's Python (~750 ATen calls per decode step, each releasing and retaking the GIL)
+and the server's Python (HTTP, detokenizing, SSE) shared one GIL when the engine was a thread.
+Every hand-over of that lock cost a context switch and stalled the other side, so a token took
+16–17 ms in the engine and 19–20 ms over HTTP. As two processes they run side by side on two
+cores, as vLLM's engine core does.
+
+``EngineProcess`` is the server's side: it starts ``worker.py`` with one end of a socket pair,
+writes commands as frames (``ipc.py``) and reads each step's deltas as one frame through an
+asyncio protocol, with no thread of its own. If the engine process dies, every running request
+fails with a 500 and ``failure`` says why (``/health`` then answers 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import msgspec
+
+from trtserver.config import ServerConfig
+from trtserver.engine.base import EngineStats, GenerationRequest, SequenceOutput
+from trtserver.engine.torch import ipc
+from trtserver.engine.torch.runner import RequestStreams
+from trtserver.errors import EngineError
+
+
+class EngineProcess(RequestStreams):
+    def __init__(self, config: ServerConfig, *, seed: int | None, quantize: str | None, tokenizer: object) -> None:
+        super().__init__()
+        self._start_args = (msgspec.to_builtins(config), seed, quantize or "none")
+        self.slots = config.max_batch_size
+        self._tokenizer = tokenizer
+        self._process: subprocess.Popen[bytes] | None = None
+        self._transport: asyncio.Transport | None = None
+        self._protocol: _Frames | None = None
+        self.stats = EngineStats(slots_total=config.max_batch_size)
+        self.report: dict[str, Any] = {}  # what the engine process found: its dtype and quantization
+        self.failure: str | None = None  # set when the engine process died under the server
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    async def start(self) -> None:
+        ours, theirs = socket.socketpair()
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "trtserver.engine.torch.worker", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), close_fds=True)
+        finally:
+            theirs.close()
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[tuple[bytes, Any]] = loop.create_future()
+        self._transport, self._protocol = await loop.create_unix_connection(
+            lambda: _Frames(self, ready), sock=ours)
+        self._transport.write(ipc.frame(ipc.CONFIG, msgspec.msgpack.encode(self._start_args)))
+        kind, payload = await ready
+        if kind != ipc.READY:
+            await self._reap()
+            raise EngineError(f"the engine process failed to start: {payload}")
+        self.report = payload
+
+    async def stop(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(ipc.frame(ipc.STOP))
+        await self._reap()
+        self._fail_all(EngineError("the engine shut down"))
+
+    async def _reap(self) -> None:
+        process = self._process
+        if process is None:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.run_in_executor(None, process.wait), 10)
+        except asyncio.TimeoutError:
+            process.kill()
+            await loop.run_in_executor(None, process.wait)
+        if self._transport is not None:
+            self._transport.close()
+        self._process = None
+
+    def _submit(self, request: GenerationRequest, q: asyncio.Queue[SequenceOutput | BaseException]) -> None:
+        if self.failure is not None:
+            raise EngineError(f"the engine process is not running: {self.failure}")
+        if self._transport is None or self._transport.is_closing():
+            raise EngineError("the engine is not running")
+        message = ipc.encode_request(request, self._tokenizer)  # raises before anything is registered
+        self._queues[request.request_id] = q
+        self._transport.write(ipc.HEADER.pack(len(message)) + message)
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(ipc.frame(ipc.ABORT, msgspec.msgpack.encode((request_id, index))))
+
+    # ---- from the protocol -------------------------------------------------------------------
+    def _on_step(self, payload: memoryview) -> None:
+        outputs, failed, self.stats = ipc.decode_step(payload)
+        self._dispatch(outputs, failed)
+
+    def _on_lost(self) -> None:
+        process = self._process
+        code = process.poll() if process is not None else None
+        if process is not None and self.failure is None and code != 0:
+            self.failure = f"the engine process exited (code {code})" if code is not None \
+                else "the engine process closed its socket"
+        self._fail_all(EngineError(self.failure or "the engine shut down"))
+
+    def _fail_all(self, exc: EngineError) -> None:
+        self._dispatch([], [(rid, exc) for rid in self._queues])
+
+
+class _Frames(asyncio.Protocol):
+    """Splits the engine's byte stream into frames."""
+
+    def __init__(self, owner: EngineProcess, ready: asyncio.Future[tuple[bytes, Any]]) -> None:
+        self.owner = owner
+        self.ready = ready
+        self.pending = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        if self.pending:
+            self.pending += data
+            data = bytes(self.pending)
+            self.pending.clear()
+        view, start, header = memoryview(data), 0, ipc.HEADER.size
+        while len(data) - start >= header:
+            (size,) = ipc.HEADER.unpack_from(data, start)
+            if len(data) - start - header < size:
+                break
+            self._frame(data[start + header:start + header + 1], view[start + header + 1:start + header + size])
+            start += header + size
+        if start < len(data):
+            self.pending += view[start:]
+
+    def _frame(self, kind: bytes, body: memoryview) -> None:
+        if kind == ipc.STEP:
+            self.owner._on_step(body)
+        elif not self.ready.done():
+            self.ready.set_result((kind, ipc.decode_plain(body)))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.ready.done():
+            self.ready.set_result((ipc.FAILED, f"it exited before it was ready ({exc or 'socket closed'})"))
+        self.owner._on_lost()

@@ -1,0 +1,104 @@
+"""The engine process: ``python -m trtserver.engine.torch.worker FD``, started by ``process.py``.
+
+It owns the model and runs ``EngineCore.step()`` in a plain loop on its main thread: take the
+server's commands (add, abort, stop) between steps, send each step's deltas as one frame. It
+blocks on the socket when there is no work, so an idle server costs no CPU, and it exits when
+the server asks, when the socket closes, or when the server process dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+from trtserver.config import ServerConfig
+from trtserver.engine.base import EngineStats, SequenceOutput
+from trtserver.engine.torch import ipc
+from trtserver.errors import EngineError
+
+log = logging.getLogger("trtserver.engine.worker")
+
+
+def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server stops us
+    _die_with_parent()
+    conn = Connection(int(argv[0]))
+    kind_payload = conn.recv_bytes()
+    config_raw, seed, quantize = ipc.decode_plain(kind_payload[1:])
+    config = ServerConfig(**config_raw)
+
+    from trtserver.logs import configure_logging
+
+    configure_logging(config.log_format, config.log_level)
+    from trtserver.engine.torch.engine import TorchEngine
+
+    try:
+        engine = TorchEngine(config, seed=seed, quantize=quantize)
+        engine.load()
+    except BaseException as exc:  # noqa: BLE001 - reported to the server, which fails its start-up
+        conn.send_bytes(ipc.encode_plain(ipc.FAILED, f"{type(exc).__name__}: {exc}"))
+        return 1
+    conn.send_bytes(ipc.encode_plain(ipc.READY, {"dtype": str(engine.dtype).removeprefix("torch."),
+                                                 "quantize": engine.quantize}))
+    try:
+        serve(engine, conn)
+    except (EOFError, OSError):  # the server went away
+        pass
+    return 0
+
+
+def serve(engine: object, conn: Connection) -> None:
+    from trtserver.engine.torch.engine import TorchEngine
+
+    assert isinstance(engine, TorchEngine)
+    core, tokenizer = engine.core, engine.tokenizer
+    scheduler = core.scheduler
+    while True:
+        failed: list[tuple[str, BaseException]] = []
+        if not core.has_work:
+            conn.poll(None)
+        while conn.poll(0):
+            payload = conn.recv_bytes()
+            kind, body = payload[:1], memoryview(payload)[1:]
+            if kind == ipc.ADD:
+                rid, request = ipc.decode_request(body, tokenizer)
+                try:
+                    if isinstance(request, Exception):
+                        raise request
+                    core.add(request)
+                except Exception as exc:  # noqa: BLE001 - the request fails, the engine goes on
+                    failed.append((rid, exc))
+            elif kind == ipc.ABORT:
+                rid, index = ipc.decode_plain(body)
+                core.abort(rid, index)
+            elif kind == ipc.STOP:
+                return
+        outputs: list[SequenceOutput] = []
+        if core.has_work:
+            try:
+                outputs = core.step()
+            except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
+                log.exception("engine step failed")
+                failure = EngineError(f"engine step failed: {exc!r}")
+                failed += [(rid, failure) for rid in core.fail()]
+                outputs = core.drain()
+        else:
+            outputs = core.drain()
+        if outputs or failed:
+            stats = EngineStats(running=scheduler.num_running, waiting=scheduler.num_waiting,
+                                slots_total=scheduler.num_slots, slots_used=scheduler.slots_used)
+            conn.send_bytes(ipc.encode_step(outputs, failed, stats))
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux/glibc: EOF on the socket still ends us
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
