@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -28,3 +28,14 @@ class AllowedTokens:
 
     def is_terminated(self) -> bool:
         return self.steps is not None and len(self.accepted) >= self.steps
+
+
+class BanToken:
+    """A LogitsProcessor stand-in that never lets ``token`` be chosen (holds whatever it is given)."""
+
+    def __init__(self, token: int, holds: object = None) -> None:
+        self.token, self.tokenizer = token, holds
+
+    def __call__(self, output_token_ids: Sequence[int], logits: torch.Tensor) -> None:
+        logits[self.token] = float("-inf")
+

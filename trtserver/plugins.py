@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+import cloudpickle
 import pluggy
 
 from trtserver import hookspecs
@@ -66,6 +67,9 @@ def _import_path_or_module(spec: str) -> ModuleType:
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_name] = module
         module_spec.loader.exec_module(module)
+        # its classes and functions cannot be imported by name in the engine process: what its hooks
+        # return for a request (logits processors, guides) crosses there by value
+        cloudpickle.register_pickle_by_value(module)
         return module
     return importlib.import_module(spec)
 

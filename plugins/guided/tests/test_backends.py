@@ -11,7 +11,8 @@ import numpy as np
 import pluggy
 import pytest
 import torch
-from trtserver.engine.base import TokenConstraint
+from trtserver.engine.base import GenerationRequest, SamplingParams, TokenConstraint
+from trtserver.engine.torch import ipc
 from trtserver.errors import InvalidRequest
 from trtserver.guided import GuideContext, GuideSpec
 from trtserver.tokenizer import Tokenizer
@@ -166,6 +167,18 @@ def test_schema_key_order_is_the_clients(backend: str, tokenizer: Tokenizer, con
     state = guided_decoder(GuideSpec("json", schema), backend, context).new_state()
     ids = tokenizer.encode('{"b":' + sep + "1," + sep + '"a":' + sep + "2}", add_special_tokens=False)
     assert replay(state, ids, context) is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_guide_crosses_to_the_engine_process_as_its_recipe(backend: str, context: GuideContext) -> None:
+    """What the server sends its engine process: a few hundred bytes, compiled again on arrival (here,
+    in the same process, that is the compile cache's copy)."""
+    decoder = guided_decoder(GuideSpec("json", json.dumps(SCHEMA)), backend, context)
+    request = GenerationRequest("guided", [1], SamplingParams(), guided=decoder)
+    message = ipc.encode_request(request, context.tokenizer)
+    assert len(message) < 4096
+    _, rebuilt = ipc.decode_request(memoryview(message)[1:], context.tokenizer)
+    assert isinstance(rebuilt, GenerationRequest) and rebuilt.guided is decoder
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -41,6 +41,7 @@ class EngineProcess(RequestStreams):
         self.stats = EngineStats(slots_total=config.max_batch_size)
         self.report: dict[str, Any] = {}  # what the engine process found: its dtype and quantization
         self.failure: str | None = None  # set when the engine process died under the server
+        self._stopping = False
 
     @property
     def pid(self) -> int | None:
@@ -66,6 +67,7 @@ class EngineProcess(RequestStreams):
         self.report = payload
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(ipc.frame(ipc.STOP))
         await self._reap()
@@ -105,10 +107,12 @@ class EngineProcess(RequestStreams):
 
     def _on_lost(self) -> None:
         process = self._process
-        code = process.poll() if process is not None else None
-        if process is not None and self.failure is None and code != 0:
-            self.failure = f"the engine process exited (code {code})" if code is not None \
-                else "the engine process closed its socket"
+        if process is not None and not self._stopping and self.failure is None:
+            try:  # the socket closes as the process exits: its code follows within moments
+                code: int | None = process.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                code = None
+            self.failure = "the engine process exited" + (f" (code {code})" if code is not None else "")
         self._fail_all(EngineError(self.failure or "the engine shut down"))
 
     def _fail_all(self, exc: EngineError) -> None:
