@@ -77,6 +77,15 @@ def serve(args: argparse.Namespace) -> int:
         return 3
     from trtserver.lifecycle import run_server
 
+    if config.event_loop != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if config.event_loop == "uvloop":
+                print("trtserver: --event-loop uvloop, but uvloop is not installed", file=sys.stderr)
+                return 2
+        else:
+            return int(uvloop.run(run_server(app, config)))
     return asyncio.run(run_server(app, config))
 
 

@@ -8,6 +8,14 @@ per-step work lives on the objects some hooks return (``TokenConstraint``, ``Log
 
 Hooks are synchronous. The two request hooks that may need I/O (``trtserver_request_received``
 and ``trtserver_response_ready``) may instead return an awaitable, which is awaited.
+
+Hooks run in the server process. On the PyTorch engine the model runs in a process of its own
+(``--engine-process``, the default), so the per-step objects that ``trtserver_guided_decoder``
+and ``trtserver_logits_processors`` return travel there with each request, pickled by
+cloudpickle: closures, lambdas and the classes of a ``--plugin file.py`` travel by value, other
+classes by import name, and the served model's ``Tokenizer`` as a reference to that process's
+own copy. Keep them small (a compiled guide may cross as its recipe: define ``__reduce__``),
+and hold no locks, sockets or open files. State they change there is not seen here.
 """
 
 from __future__ import annotations
@@ -121,7 +129,9 @@ def trtserver_guided_decoder(spec: GuideSpec, backend: str, context: GuideContex
         plugin does not own ``backend``. Raise ``trtserver.errors.InvalidRequest`` when the
         backend owns the name but cannot compile this spec (the client gets a 400 naming it).
         firstresult. Runs in a worker thread, never on the event loop; results should be cached
-        by the plugin (the same spec arrives again and again).
+        by the plugin (the same spec arrives again and again). With the engine in its own process
+        the decoder is pickled to it with each request (see the top of this page); the built-in
+        backends' decoders cross as their recipe and compile once more there, on first use.
 
     Fires once per request that asks for guided output.
     """
@@ -138,7 +148,9 @@ def trtserver_logits_processors(
     :param tokenizer: the served model's ``trtserver.tokenizer.Tokenizer`` (to turn words into ids).
     :returns: a list of zero-argument factories; each sequence calls every factory once and
         the engine calls the processor once per decode step with that sequence's generated
-        token ids and its logits row (modify it in place). None or [] for no processors.
+        token ids and its logits row (modify it in place). None or [] for no processors. The
+        factories are pickled to the engine process with the request (see the top of this
+        page); one that cannot be pickled fails the request with a 500 naming it.
 
     Fires once per request, after tokenization.
     """

@@ -334,8 +334,8 @@ def test_quantization_auto_is_none_without_a_4bit_source(smol_dir, tmp_path) -> 
 
 
 def test_thread_counts_follow_the_options(smol_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """(small forwards, large forwards) on an 8-core CPU: a core left to the event loop only where
-    the GEMMs are too small to share."""
+    """(small forwards, large forwards) on an 8-core CPU: with the model on the server's thread, a core
+    left to the event loop where the GEMMs are too small to share; in its own process, every core."""
     import os
 
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
@@ -348,6 +348,9 @@ def test_thread_counts_follow_the_options(smol_dir, monkeypatch) -> None:  # typ
     assert threads(batch_threads=2) == (7, 2)
     assert threads(threads=3, batch_threads=5) == (3, 5)
     assert threads(batch_invariant=True) == (7, 7)  # one count: the GEMMs' blocking may follow it
+    assert threads(engine_process=True) == (8, 8)
+    assert threads(engine_process=True, threads=3) == (3, 3)
+    assert threads(engine_process=True, batch_threads=2) == (8, 2)
 
 
 def test_core_switches_threads_by_rows_in_the_forward(smol_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]

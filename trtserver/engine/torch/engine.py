@@ -103,14 +103,18 @@ class TorchEngine:
         return SMALL_BATCH if on else 0
 
     def _threads(self) -> tuple[int, int] | None:
-        """Torch threads for (small, large) forwards (``EngineCore``). On CPU by default: every core
-        but one for small decode batches, leaving a core to the event loop; every core for prefill
-        and larger decode batches. ``threads`` alone sets both; ``batch_threads`` the second. A
-        batch-invariant server keeps one count (the GEMMs' blocking may follow it)."""
+        """Torch threads for (small, large) forwards (``EngineCore``). On CPU by default every core,
+        with the model in its own process. With the model on a thread of the server
+        (``--no-engine-process``) small decode batches get every core but one: their spinning
+        threads held up the server's Python on the shared GIL (1 stream 30-38 tokens/s on two
+        threads, 48-53 on one), so a core is left to the event loop; prefill and larger decode
+        batches, whose GEMMs pay for it, get every core. ``threads`` alone sets both;
+        ``batch_threads`` the second. A batch-invariant server keeps one count (the GEMMs'
+        blocking may follow it)."""
         config, cores = self.config, os.cpu_count() or 1
         if self.device.type != "cpu":
             return (config.threads, config.threads) if config.threads > 0 else None
-        small = config.threads or max(1, cores - 1)
+        small = config.threads or (cores if config.engine_process else max(1, cores - 1))
         large = small if config.batch_invariant else config.batch_threads or config.threads or cores
         return small, large
 
