@@ -32,9 +32,10 @@ async def run_server(app: web.Application, config: ServerConfig) -> int:
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
-    print(f"trtserver listening on http://{config.host}:{config.port}", file=sys.stderr)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    print(f"trtserver listening on http://{config.host}:{config.port} "
+          f"(event loop: {type(loop).__module__.split('.')[0]})", file=sys.stderr)
+    stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     engine_task = app[STATE].engine_task

@@ -381,6 +381,7 @@ async def test_engine_process_death_fails_the_stream_and_health(engine_dir: Path
         await wait_ready(server)
         (worker,) = children(server.process.pid)
         assert "trtserver.engine.torch.worker" in Path(f"/proc/{worker}/cmdline").read_text()
+        assert "(event loop: uvloop)" in server.log()  # the default where uvloop is installed
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             response = await session.post(f"{server.base}/v1/completions", json={**LONG, "stream": True})
             assert response.status == 200
@@ -401,11 +402,12 @@ async def test_engine_process_death_fails_the_stream_and_health(engine_dir: Path
         server.stop()
 
 
-async def test_no_engine_process_runs_the_model_in_the_server(engine_dir: Path) -> None:
-    server = Server(engine_dir, *SMALL, "--no-engine-process")
+async def test_no_engine_process_and_the_asyncio_loop(engine_dir: Path) -> None:
+    server = Server(engine_dir, *SMALL, "--no-engine-process", "--event-loop", "asyncio")
     try:
         await wait_ready(server)
         assert children(server.process.pid) == []
+        assert "(event loop: asyncio)" in server.log()
         await assert_serves(server.base)
     finally:
         server.stop()
