@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     http_ms = 1000 * statistics.median(gaps) if gaps else float("nan")  # a decode step as a client sees it
     if single is not None and "tpot_ms" in tin:
         over = http_ms - tin["tpot_ms"]
-        extra_rows.append(("ours: time per token, in-process engine.generate (ms)", fmt(tin["tpot_ms"], ".2f"), "-",
+        extra_rows.append(("ours: time per token, engine.generate without HTTP (ms)", fmt(tin["tpot_ms"], ".2f"), "-",
                            "-", ""))
         extra_rows.append(("ours: time per token, streamed over HTTP (ms)", fmt(http_ms, ".2f"), "-", "-", ""))
         extra_rows.append(("ours: server overhead per streamed token (wall clock; noisy here)",
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         if "decode_tps" not in v:
             notes.append(f"in-process {key} failed: {v.get('error', '')[:200]}")
             continue
-        label = ("ours in-process (TorchEngine, " + str(v.get("dtype")) + ")" if key == "torch"
+        label = ("ours engine.generate without HTTP (TorchEngine, " + str(v.get("dtype")) + ")" if key == "torch"
                  else f"llama.cpp in-process (Llama, n_threads {v.get('threads')})")
         extra_rows.append((f"{label}: decode tokens/s, batch 1", fmt(v["decode_tps"]), "-", "-", ""))
     if single is not None and llama_best:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -42,10 +41,9 @@ async def torch_runs(args: argparse.Namespace) -> dict[str, object]:
     from trtserver.engine.base import GenerationRequest, SamplingParams
     from trtserver.engine.torch.engine import TorchEngine
 
-    # the server's defaults (16 slots, the model's full context, and on CPU every core, as its engine
-    # process has), so the two runs do the same work per step
-    threads = args.threads or (os.cpu_count() or 1 if args.device == "cpu" else 0)
-    options: dict[str, object] = {"threads": threads}
+    # the server's defaults (16 slots, the model's full context, the model in its own process with its
+    # thread counts), so the two runs do the same work per step and differ by HTTP, detokenizing and SSE
+    options: dict[str, object] = {"threads": args.threads, "engine_process": True}
     if args.dtype != "auto":
         options["dtype"] = args.dtype
     if args.device != "cpu":
