@@ -6,19 +6,23 @@ the runner's worker thread only, and never touches asyncio.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from trtserver.engine.base import FinishReason, GenerationRequest, SequenceOutput
+from trtserver.engine.base import EngineStats, FinishReason, GenerationRequest, SequenceOutput
 from trtserver.engine.torch.beam import BeamState
 from trtserver.engine.torch.cache import KVCache
 from trtserver.engine.torch.model import SMALL_BATCH, ForwardContext, Transformer
 from trtserver.engine.torch.sampler import Sampler
 from trtserver.engine.torch.scheduler import PrefillChunk, Scheduler
 from trtserver.engine.torch.sequence import Group, Sequence
+from trtserver.errors import EngineError
+
+log = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -98,6 +102,24 @@ class EngineCore:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(running=s.num_running, waiting=s.num_waiting, slots_total=s.num_slots,
+                           slots_used=s.slots_used)
+
+    def run_step(self) -> tuple[list[SequenceOutput], list[tuple[str, BaseException]]]:
+        """What a worker calls in its loop: a step if there is work, else what is still to report;
+        a step that raises fails its own requests (returned with the error) and the engine goes on."""
+        if not self.has_work:
+            return self.drain(), []
+        try:
+            return self.step(), []
+        except Exception as exc:  # noqa: BLE001 - any failure of the model or sampler
+            log.exception("engine step failed")
+            failure = EngineError(f"engine step failed: {exc!r}")
+            failed: list[tuple[str, BaseException]] = [(rid, failure) for rid in self.fail()]
+            return self.drain(), failed
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -240,9 +240,7 @@ class TorchEngine:
             return stats
         if self.core is None:
             return EngineStats(slots_total=self.config.max_batch_size)
-        s = self.core.scheduler
-        return EngineStats(running=s.num_running, waiting=s.num_waiting, slots_total=s.num_slots,
-                           slots_used=s.slots_used)
+        return self.core.stats()  # type: ignore[no-any-return]
 
 
 def resolve_device(name: str) -> torch.device:

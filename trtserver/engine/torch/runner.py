@@ -11,7 +11,6 @@ Each request remembers the loop it was submitted from, so one engine can serve s
 from __future__ import annotations
 
 import asyncio
-import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -19,8 +18,6 @@ from collections.abc import AsyncIterator, Callable
 from trtserver.engine.base import GenerationRequest, SequenceOutput
 from trtserver.engine.torch.core import EngineCore
 from trtserver.errors import EngineError
-
-log = logging.getLogger(__name__)
 
 _Command = tuple[str, object, object]
 
@@ -123,17 +120,8 @@ class Runner(RequestStreams):
         core = self.core
         while not self._stopping:
             errors = self._run_commands()
-            outputs: list[SequenceOutput] = []
-            if core.has_work:
-                try:
-                    outputs = core.step()
-                except Exception as exc:  # fail this step's requests, keep serving the rest
-                    log.exception("engine step failed")
-                    failure = EngineError(f"engine step failed: {exc!r}")
-                    errors += [(rid, failure) for rid in core.fail()]
-                    outputs = core.drain()
-            else:
-                outputs = core.drain()
+            outputs, failed = core.run_step()
+            errors += failed
             if outputs or errors:
                 self._hand_over(outputs, errors)
             if not core.has_work and not self._stopping:

@@ -9,17 +9,12 @@ the server asks, when the socket closes, or when the server process dies.
 from __future__ import annotations
 
 import ctypes
-import logging
 import signal
 import sys
 from multiprocessing.connection import Connection
 
 from trtserver.config import ServerConfig
-from trtserver.engine.base import EngineStats, SequenceOutput
 from trtserver.engine.torch import ipc
-from trtserver.errors import EngineError
-
-log = logging.getLogger("trtserver.engine.worker")
 
 
 def main(argv: list[str]) -> int:
@@ -55,7 +50,6 @@ def serve(engine: object, conn: Connection) -> None:
 
     assert isinstance(engine, TorchEngine)
     core, tokenizer = engine.core, engine.tokenizer
-    scheduler = core.scheduler
     while True:
         failed: list[tuple[str, BaseException]] = []
         if not core.has_work:
@@ -76,21 +70,10 @@ def serve(engine: object, conn: Connection) -> None:
                 core.abort(rid, index)
             elif kind == ipc.STOP:
                 return
-        outputs: list[SequenceOutput] = []
-        if core.has_work:
-            try:
-                outputs = core.step()
-            except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
-                log.exception("engine step failed")
-                failure = EngineError(f"engine step failed: {exc!r}")
-                failed += [(rid, failure) for rid in core.fail()]
-                outputs = core.drain()
-        else:
-            outputs = core.drain()
+        outputs, step_failed = core.run_step()
+        failed += step_failed
         if outputs or failed:
-            stats = EngineStats(running=scheduler.num_running, waiting=scheduler.num_waiting,
-                                slots_total=scheduler.num_slots, slots_used=scheduler.slots_used)
-            conn.send_bytes(ipc.encode_step(outputs, failed, stats))
+            conn.send_bytes(ipc.encode_step(outputs, failed, core.stats()))
 
 
 def _die_with_parent() -> None:
