@@ -33,11 +33,9 @@ class EngineProcess(RequestStreams):
     def __init__(self, config: ServerConfig, *, seed: int | None, quantize: str | None, tokenizer: object) -> None:
         super().__init__()
         self._start_args = (msgspec.to_builtins(config), seed, quantize or "none")
-        self.slots = config.max_batch_size
         self._tokenizer = tokenizer
         self._process: subprocess.Popen[bytes] | None = None
         self._transport: asyncio.Transport | None = None
-        self._protocol: _Frames | None = None
         self.stats = EngineStats(slots_total=config.max_batch_size)
         self.report: dict[str, Any] = {}  # what the engine process found: its dtype and quantization
         self.failure: str | None = None  # set when the engine process died under the server
@@ -57,7 +55,7 @@ class EngineProcess(RequestStreams):
             theirs.close()
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[tuple[bytes, Any]] = loop.create_future()
-        self._transport, self._protocol = await loop.create_unix_connection(
+        self._transport, _ = await loop.create_unix_connection(
             lambda: _Frames(self, ready), sock=ours)
         self._transport.write(ipc.frame(ipc.CONFIG, msgspec.msgpack.encode(self._start_args)))
         kind, payload = await ready
