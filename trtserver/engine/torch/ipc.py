@@ -112,5 +112,5 @@ def encode_plain(kind: bytes, value: Any) -> bytes:
     return kind + msgspec.msgpack.encode(value)
 
 
-def decode_plain(payload: memoryview | bytes, type: Any = Any) -> Any:  # noqa: A002 - msgspec's name
-    return msgspec.msgpack.decode(payload, type=type)
+def decode_plain(payload: memoryview | bytes) -> Any:
+    return msgspec.msgpack.decode(payload)

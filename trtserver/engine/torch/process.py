@@ -37,7 +37,7 @@ class EngineProcess(RequestStreams):
         self._process: subprocess.Popen[bytes] | None = None
         self._transport: asyncio.Transport | None = None
         self.stats = EngineStats(slots_total=config.max_batch_size)
-        self.report: dict[str, Any] = {}  # what the engine process found: its dtype and quantization
+        self.report: dict[str, Any] = {}  # what the engine process found: its dtype
         self.failure: str | None = None  # set when the engine process died under the server
         self._stopping = False
 

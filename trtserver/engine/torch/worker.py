@@ -1,6 +1,6 @@
 """The engine process: ``python -m trtserver.engine.torch.worker FD``, started by ``process.py``.
 
-It owns the model and runs ``EngineCore.step()`` in a plain loop on its main thread: take the
+It owns the model and runs ``EngineCore.run_step()`` in a plain loop on its main thread: take the
 server's commands (add, abort, stop) between steps, send each step's deltas as one frame. It
 blocks on the socket when there is no work, so an idle server costs no CPU, and it exits when
 the server asks, when the socket closes, or when the server process dies.
@@ -12,9 +12,13 @@ import ctypes
 import signal
 import sys
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from trtserver.config import ServerConfig
 from trtserver.engine.torch import ipc
+
+if TYPE_CHECKING:
+    from trtserver.engine.torch.core import EngineCore
 
 
 def main(argv: list[str]) -> int:
@@ -36,20 +40,15 @@ def main(argv: list[str]) -> int:
     except BaseException as exc:  # noqa: BLE001 - reported to the server, which fails its start-up
         conn.send_bytes(ipc.encode_plain(ipc.FAILED, f"{type(exc).__name__}: {exc}"))
         return 1
-    conn.send_bytes(ipc.encode_plain(ipc.READY, {"dtype": str(engine.dtype).removeprefix("torch."),
-                                                 "quantize": engine.quantize}))
+    conn.send_bytes(ipc.encode_plain(ipc.READY, {"dtype": str(engine.dtype).removeprefix("torch.")}))
     try:
-        serve(engine, conn)
+        serve(engine.core, engine.tokenizer, conn)
     except (EOFError, OSError):  # the server went away
         pass
     return 0
 
 
-def serve(engine: object, conn: Connection) -> None:
-    from trtserver.engine.torch.engine import TorchEngine
-
-    assert isinstance(engine, TorchEngine)
-    core, tokenizer = engine.core, engine.tokenizer
+def serve(core: EngineCore, tokenizer: object, conn: Connection) -> None:
     while True:
         failed: list[tuple[str, BaseException]] = []
         if not core.has_work:
@@ -59,9 +58,10 @@ def serve(engine: object, conn: Connection) -> None:
             kind, body = payload[:1], memoryview(payload)[1:]
             if kind == ipc.ADD:
                 rid, request = ipc.decode_request(body, tokenizer)
+                if isinstance(request, Exception):
+                    failed.append((rid, request))
+                    continue
                 try:
-                    if isinstance(request, Exception):
-                        raise request
                     core.add(request)
                 except Exception as exc:  # noqa: BLE001 - the request fails, the engine goes on
                     failed.append((rid, exc))
