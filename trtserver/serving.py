@@ -75,6 +75,7 @@ class CompletionService:
         self.model_name = model_name
         self.system_fingerprint = system_fingerprint
         self.tokenizer = engine.tokenizer
+        self.tokenizer.token_bytes  # noqa: B018 - built now (~0.1 s), not on the first request
         self.info = engine.info
         self.quota_store: QuotaStore = quota_store or MemoryQuotaStore()
         self.flex_in_flight = 0
@@ -200,19 +201,16 @@ class CompletionService:
         return {(p, s): self._new_choice(prepared, p, s)
                 for p in range(len(prepared.prompts)) for s in range(width)}
 
-    async def stream(self, prepared: Prepared) -> AsyncGenerator[CompletionResponse, None]:
+    def stream(self, prepared: Prepared) -> AsyncGenerator[CompletionResponse, None]:
         """What a streaming client gets: chunks, then a usage chunk when asked."""
-        request = prepared.request
-        choices = self._choices(prepared)
-        async with aclosing(self._chunks(prepared, choices)) as chunks:
-            async for chunk in chunks:
-                yield chunk
-        if request.stream_options is not None and request.stream_options.include_usage:
-            yield self._chunk(prepared, [], self.usage(prepared, choices.values()))
+        options = prepared.request.stream_options
+        return self._chunks(prepared, self._choices(prepared),
+                            usage_chunk=options is not None and options.include_usage)
 
-    async def _chunks(self, prepared: Prepared, choices: dict[tuple[int, int], ChoiceState]
-                      ) -> AsyncGenerator[CompletionResponse, None]:
-        """Chunks, one choice each; closing this early aborts the engine requests."""
+    async def _chunks(self, prepared: Prepared, choices: dict[tuple[int, int], ChoiceState], *,
+                      usage_chunk: bool = False) -> AsyncGenerator[CompletionResponse, None]:
+        """Chunks, one choice each, then the usage chunk if asked; closing this early aborts the
+        engine requests."""
         request = prepared.request
         namer = TokenNamer(self.tokenizer, request.return_tokens_as_token_ids)
         options = request.stream_options
@@ -254,6 +252,8 @@ class CompletionService:
             prepared.completed = True
         finally:
             prepared.usage = self.usage(prepared, choices.values())
+        if usage_chunk:
+            yield self._chunk(prepared, [], prepared.usage)
 
     def _engine_outputs(self, prepared: Prepared) -> AsyncGenerator[tuple[int, SequenceOutput], None]:
         """Every prompt's engine stream, interleaved as deltas arrive (``max_tokens=0`` too: engines

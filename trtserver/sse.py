@@ -41,13 +41,17 @@ class Deadline:
         self.timeout_s = timeout_s
         self.at = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
 
-    async def next(self, chunks: AsyncIterator[CompletionResponse]) -> CompletionResponse | None:
+    def next(self, chunks: AsyncIterator[CompletionResponse]) -> Awaitable[CompletionResponse | None]:
+        """The next chunk, None at the end. Without a timeout this is ``anext`` itself: no frame
+        of ours between the response and the chunks, once per token."""
+        if self.at is None:
+            return anext(chunks, None)
+        return self._before_deadline(chunks, self.at)
+
+    async def _before_deadline(self, chunks: AsyncIterator[CompletionResponse], at: float
+                               ) -> CompletionResponse | None:
         try:
-            if self.at is None:
-                return await anext(chunks)
-            return await asyncio.wait_for(anext(chunks), max(self.at - asyncio.get_running_loop().time(), 0))
-        except StopAsyncIteration:
-            return None
+            return await asyncio.wait_for(anext(chunks, None), max(at - asyncio.get_running_loop().time(), 0))
         except asyncio.TimeoutError as exc:
             raise _timeout(self.timeout_s) from exc
 

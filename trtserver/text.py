@@ -7,7 +7,8 @@ still turn into a stop string is held back until it either does or cannot.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import codecs
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -65,19 +66,22 @@ class StopStrings:
 class IncrementalDecoder:
     """Token ids to text, correct for characters split across tokens.
 
-    Wraps tokenizers' ``DecodeStream``; with ``spaces_between_special_tokens`` (and special tokens
-    kept) it puts a space between a special token and its neighbours, as Hugging Face's slow
-    tokenizers and vLLM do.
+    For byte-level tokenizers (``Tokenizer.token_bytes``) it decodes each token's bytes as UTF-8
+    as they come; for the others it wraps tokenizers' ``DecodeStream``. With
+    ``spaces_between_special_tokens`` (and special tokens kept) it puts a space between a special
+    token and its neighbours, as Hugging Face's slow tokenizers and vLLM do.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True) -> None:
+                 spaces_between_special_tokens: bool = True, byte_table: bool = True) -> None:
         self._tokenizer = tokenizer
         self._backend = tokenizer.backend
         self._skip = skip_special_tokens
         self._space_specials = spaces_between_special_tokens and not skip_special_tokens
         self._specials = tokenizer.special_token_ids
         self._stream = tokenizer.decode_stream(skip_special_tokens=skip_special_tokens)
+        self._bytes = tokenizer.token_bytes if byte_table else None
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._produced = False
         self._after_special = False
 
@@ -88,15 +92,20 @@ class IncrementalDecoder:
             piece = self._tokenizer.id_to_token(token_id) or ""
             # a special token resets the byte-level state: start a fresh stream after it
             self._stream = self._tokenizer.decode_stream(skip_special_tokens=self._skip)
+            self._utf8.reset()
             if self._space_specials and self._produced:
                 piece = " " + piece
             self._produced = True
             self._after_special = True
             return piece
-        try:
-            piece = self._stream.step(self._backend, token_id) or ""
-        except Exception:  # ids the tokenizer does not know decode to nothing, never crash
-            piece = ""
+        table = self._bytes
+        if table is not None:
+            piece = self._utf8.decode(table[token_id]) if 0 <= token_id < len(table) else ""
+        else:
+            try:
+                piece = self._stream.step(self._backend, token_id) or ""
+            except Exception:  # ids the tokenizer does not know decode to nothing, never crash
+                piece = ""
         if piece:
             if self._after_special and self._space_specials:
                 piece = " " + piece
@@ -104,7 +113,9 @@ class IncrementalDecoder:
             self._produced = True
         return piece
 
-    def feed(self, token_ids: Iterable[int]) -> str:
+    def feed(self, token_ids: Sequence[int]) -> str:
+        if len(token_ids) == 1:  # one token a step: the usual case
+            return self.step(token_ids[0])
         return "".join(self.step(t) for t in token_ids)
 
 
@@ -120,7 +131,7 @@ class TextStream:
         self.sent = 0
         self.stop: StopMatch | None = None
 
-    def add(self, token_ids: Iterable[int]) -> StopMatch | None:
+    def add(self, token_ids: Sequence[int]) -> StopMatch | None:
         """Decode new tokens; return the stop that matched, if one did (text is then final)."""
         if self.stop is not None:
             return self.stop

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
+import tokenizers
 
 from trtserver.text import IncrementalDecoder, StopStrings, TextStream
-from trtserver.tokenizer import Tokenizer
+from trtserver.tokenizer import Tokenizer, byte_level_to_bytes
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +23,46 @@ def test_incremental_decoding_handles_split_multibyte_characters(tokenizer: Toke
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
     assert any(p == "" for p in pieces)  # some tokens hold half a character
+
+
+def test_gpt2_byte_alphabet() -> None:
+    table = byte_level_to_bytes()
+    assert len(table) == 256 and sorted(table.values()) == list(range(256))
+    assert table["Ġ"] == 0x20 and table["Ċ"] == 0x0A and table["!"] == 0x21
+
+
+def test_token_bytes_are_what_the_tokenizer_decodes(tokenizer: Tokenizer) -> None:
+    table = tokenizer.token_bytes
+    assert table is not None and len(table) == tokenizer.vocab_size
+    partial = 0
+    for token_id, raw in enumerate(table):
+        decoded = tokenizer.decode([token_id], skip_special_tokens=False)
+        try:
+            assert raw.decode() == decoded, token_id
+        except UnicodeDecodeError:  # half a character: the tokenizer shows a replacement character
+            partial += 1
+            assert "\ufffd" in decoded, token_id
+    assert partial > 100  # the table was really exercised on split characters
+
+
+def test_byte_table_streams_the_text_decode_stream_does(tokenizer: Tokenizer) -> None:
+    """Random ids (split and invalid UTF-8, special tokens) give the same text both ways; a piece may
+    come a token sooner from the table (it sends the valid bytes before a dangling lead byte)."""
+    rng = random.Random(0)
+    for _ in range(100):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(40)] + [1, 72, 2]
+        for skip in (True, False):
+            table = IncrementalDecoder(tokenizer, skip_special_tokens=skip)
+            stream = IncrementalDecoder(tokenizer, skip_special_tokens=skip, byte_table=False)
+            assert "".join(table.step(t) for t in ids) == "".join(stream.step(t) for t in ids)
+
+
+def test_other_decoders_have_no_byte_table() -> None:
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={"a": 0, "▁b": 1}, merges=[]))
+    backend.decoder = tokenizers.decoders.Metaspace()
+    tok = Tokenizer(backend, bos_token_id=None, eos_token_ids=(), add_bos_token=False)
+    assert tok.token_bytes is None
+    assert IncrementalDecoder(tok).feed([1, 0]) == "ba"
 
 
 def test_special_tokens_skipped_or_spaced(tokenizer: Tokenizer) -> None:

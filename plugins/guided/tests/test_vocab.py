@@ -8,13 +8,7 @@ from trtserver.guided import GuideContext
 from trtserver.tokenizer import Tokenizer
 
 from trtserver_guided.backend import strip_anchors
-from trtserver_guided.vocab import gpt2_unicode_to_bytes, ids_to_words, vocab_for, words_to_ids
-
-
-def test_gpt2_byte_alphabet() -> None:
-    table = gpt2_unicode_to_bytes()
-    assert len(table) == 256 and sorted(table.values()) == list(range(256))
-    assert table["Ġ"] == 0x20 and table["Ċ"] == 0x0A and table["!"] == 0x21
+from trtserver_guided.vocab import ids_to_words, vocab_for, words_to_ids
 
 
 @pytest.mark.parametrize("text", ["日本語 👍 龘", "héllo wörld\n\tΩ", "emoji 🧑‍🚀 and ﬁ ligature", " Ġ literal"])

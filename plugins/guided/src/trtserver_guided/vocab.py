@@ -12,30 +12,15 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from trtserver.tokenizer import byte_level_to_bytes
 
 if TYPE_CHECKING:
     from trtserver.guided import GuideContext
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-
-@lru_cache(maxsize=1)
-def gpt2_unicode_to_bytes() -> dict[str, int]:
-    """Inverse of GPT-2's ``bytes_to_unicode`` (the ByteLevel pre-tokenizer's alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
-    cs = list(bs)
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
 
 
 def _decoder_kind(tokenizer_json: dict[str, Any]) -> str:
@@ -108,7 +93,7 @@ def build_vocab(tokenizer_backend: Any, vocab_size: int, eos_token_ids: tuple[in
     kind = _decoder_kind(tj)
     added = tokenizer_backend.get_added_tokens_decoder()
     size = int(tokenizer_backend.get_vocab_size(with_added_tokens=True))
-    u2b = gpt2_unicode_to_bytes()
+    u2b = byte_level_to_bytes()
     out: list[bytes | None] = [None] * vocab_size
     special = frozenset(special_token_ids) | frozenset(i for i, tok in added.items() if tok.special)
     for tid in range(min(size, vocab_size)):
