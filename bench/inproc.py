@@ -67,7 +67,7 @@ async def torch_runs(args: argparse.Namespace) -> dict[str, object]:
     finally:
         await engine.shutdown()
     out: dict[str, object] = dict(summarize(results, n_tokens))
-    out.update(kind="torch", dtype=str(engine.dtype).removeprefix("torch."), prompt=args.prompt,
+    out.update(kind="torch", dtype=engine.dtype_name, prompt=args.prompt,
                prompt_tokens=len(prompt))
     return out
 

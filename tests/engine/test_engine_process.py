@@ -132,6 +132,39 @@ async def test_shutdown_ends_the_process(smol_dir: Path) -> None:
             pass
 
 
+SERVER_SIDE_WITHOUT_TORCH = """
+import asyncio, sys
+from trtserver.config import ServerConfig
+from trtserver.engine.base import GenerationRequest, SamplingParams
+from trtserver.engine.torch.engine import TorchEngine
+
+async def main():
+    engine = TorchEngine(ServerConfig(engine_dir=sys.argv[1], engine="torch", max_batch_size=2, max_model_len=128,
+                                      engine_process=True))
+    await engine.start()
+    ids = engine.tokenizer.encode("Once upon a time")
+    tokens = []
+    async for delta in engine.generate(GenerationRequest("r", ids, SamplingParams(max_tokens=4, ignore_eos=True))):
+        tokens += delta.token_ids
+    await engine.shutdown()
+    print(len(tokens), engine.dtype_name, engine.info.fingerprint_inputs["quantization"], "torch" in sys.modules)
+
+asyncio.run(main())
+"""
+
+
+def test_the_server_side_never_imports_torch(smol_dir: Path) -> None:
+    """Device, dtype and quantization are settled in the engine process, which reports them."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", SERVER_SIDE_WITHOUT_TORCH, str(smol_dir)], capture_output=True,
+                         text=True, timeout=300, check=True).stdout.split()
+    tokens, dtype, quantization, imported = out
+    assert tokens == "4" and dtype in ("bfloat16", "float32") and quantization in ("int4", "none")
+    assert imported == "False"
+
+
 # --- the wire ----------------------------------------------------------------------------------------
 
 

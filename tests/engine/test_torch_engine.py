@@ -341,7 +341,10 @@ def test_thread_counts_follow_the_options(smol_dir, monkeypatch) -> None:  # typ
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
 
     def threads(**options: object) -> tuple[int, int] | None:
-        return TorchEngine.from_dir(smol_dir, device="cpu", dtype="bfloat16", **options)._threads()  # type: ignore[arg-type]
+        engine = TorchEngine.from_dir(smol_dir, device="cpu", dtype="bfloat16", **options)  # type: ignore[arg-type]
+        if engine.device is None:  # engine_process: settled where the model loads, in the engine process
+            engine._resolve()
+        return engine._threads()
 
     assert threads() == (7, 8)
     assert threads(threads=3) == (3, 3)  # --threads alone pins both, as before --batch-threads existed

@@ -17,10 +17,9 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from trtserver.adapters import AdapterRegistry
 from trtserver.config import ServerConfig
@@ -28,12 +27,18 @@ from trtserver.engine.base import Capabilities, EngineInfo, EngineStats, Generat
 from trtserver.errors import ContextLengthExceeded, EngineError, InvalidRequest, Overloaded, Unsupported
 from trtserver.tokenizer import Tokenizer
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger(__name__)
 
 
 class TorchEngine:
+    """With ``engine_process`` (the server's default) this object is the server's side only: it
+    checks requests and hands them to the engine process, and it never imports torch (~250 MiB of
+    the server's memory and a second of its start-up). Device, dtype and quantization are settled
+    where the model is loaded: in ``load()``, here or in the engine process, which reports them."""
+
     def __init__(self, config: ServerConfig, *, seed: int | None = None, quantize: str | None = None) -> None:
         """``quantize`` ("auto", "none", "int8" or "int4"; default ``config.quantization``): weight-only
         int8 or int4 projections for small decode batches on the CPU, with bfloat16 activations."""
@@ -50,17 +55,11 @@ class TorchEngine:
         self.model_config: dict[str, Any] = json.loads((self.path / "config.json").read_text())
         self.manifest = _read_manifest(self.path)
         self._tokenizer = Tokenizer.from_dir(self.path)
-        self.device = resolve_device(config.device)
-        self.dtype: torch.dtype | None = None if config.dtype == "auto" else _DTYPES[config.dtype]
-        if quantize == "auto":
-            quantize = self._auto_quantization()
-        self.quantize: str | None = None if quantize == "none" else quantize
-        if self.quantize is not None:
-            if self.device.type != "cpu" or self.dtype not in (None, torch.bfloat16):
-                raise ValueError(f"quantize={self.quantize!r} needs device cpu and dtype bfloat16 (or auto)")
-            self.dtype = torch.bfloat16
-        if self.dtype is None and self.device.type == "cuda":
-            self.dtype = torch.bfloat16
+        self._quantize_asked = quantize
+        self.device: torch.device | None = None  # these three are settled by _resolve()
+        self.dtype: torch.dtype | None = None
+        self.quantize: str | None = None
+        self.dtype_name: str | None = None  # the dtype's name, in the server process too
         context = (config.max_model_len or self.manifest.get("context_length")
                    or self.model_config.get("max_position_embeddings") or 2048)
         self.max_model_len = int(context)
@@ -80,14 +79,42 @@ class TorchEngine:
                                       adapters=config.adapters_dir is not None),
             fingerprint_inputs={**{k: self.manifest[k] for k in ("served_model_name", "weights_sha256", "dtype",
                                                                  "format", "format_version") if k in self.manifest},
-                                "quantization": self.quantize or "none", "batch_invariant": config.batch_invariant},
+                                "quantization": quantize, "batch_invariant": config.batch_invariant},
             backend="torch",
         )
+        if not config.engine_process:
+            self._resolve()
+
+    def _resolve(self) -> None:
+        """Device, dtype and quantization, which need torch; raises for combinations that cannot run."""
+        import torch
+
+        self.device = resolve_device(self.config.device)
+        self.dtype = None if self.config.dtype == "auto" else getattr(torch, self.config.dtype)
+        quantize = self._quantize_asked
+        if quantize == "auto":
+            quantize = self._auto_quantization()
+        self.quantize = None if quantize == "none" else quantize
+        if self.quantize is not None:
+            if self.device.type != "cpu" or self.dtype not in (None, torch.bfloat16):
+                raise ValueError(f"quantize={self.quantize!r} needs device cpu and dtype bfloat16 (or auto)")
+            self.dtype = torch.bfloat16
+        if self.dtype is None and self.device.type == "cuda":
+            self.dtype = torch.bfloat16
+        self._settled(self.quantize)
+
+    def _settled(self, quantize: str | None) -> None:
+        """What the fingerprint reports is the quantization that runs, not the one asked for."""
+        self._info = replace(self._info, fingerprint_inputs={**self._info.fingerprint_inputs,
+                                                             "quantization": quantize or "none"})
 
     def _auto_quantization(self) -> str:
         """int4 where the checkpoint's own weights are linear 4-bit blocks of 32 (a Q4 GGUF; for Q4_1,
         int4 reads the very values llama.cpp would) and the CPU computes in bfloat16; otherwise none.
         IQ4 types are not on a linear grid, so they do not count."""
+        import torch
+
+        assert self.device is not None
         source = (self.manifest.get("source") or {}).get("quantization") or ""
         bf16 = self.dtype == torch.bfloat16 or (self.dtype is None and _cpu_has_bf16())
         four_bit = source.upper().startswith("Q4")
@@ -97,8 +124,11 @@ class TorchEngine:
     def _small_batch(self, dtype: torch.dtype) -> int:
         """Small decode batches take kernels of their own on a bfloat16 CPU (measured there: float32
         attention, int4); never where every batch size must compute alike."""
+        import torch
+
         from trtserver.engine.torch.model import SMALL_BATCH
 
+        assert self.device is not None
         on = self.device.type == "cpu" and dtype == torch.bfloat16 and not self.config.batch_invariant
         return SMALL_BATCH if on else 0
 
@@ -112,6 +142,7 @@ class TorchEngine:
         ``batch_threads`` the second. A batch-invariant server keeps one count (the GEMMs'
         blocking may follow it)."""
         config, cores = self.config, os.cpu_count() or 1
+        assert self.device is not None
         if self.device.type != "cpu":
             return (config.threads, config.threads) if config.threads > 0 else None
         small = config.threads or (cores if config.engine_process else max(1, cores - 1))
@@ -140,9 +171,12 @@ class TorchEngine:
         if self.config.engine_process:
             from trtserver.engine.torch.process import EngineProcess
 
-            runner = EngineProcess(self.config, seed=self.seed, quantize=self.quantize, tokenizer=self._tokenizer)
+            runner = EngineProcess(self.config, seed=self.seed, quantize=self._quantize_asked,
+                                   tokenizer=self._tokenizer)
             await runner.start()
-            self.dtype = _DTYPES[runner.report["dtype"]]
+            self.dtype_name = runner.report["dtype"]
+            self.quantize = runner.report["quantization"]
+            self._settled(self.quantize)
             self.runner = runner
             return
         loop = asyncio.get_running_loop()
@@ -154,9 +188,14 @@ class TorchEngine:
 
     def load(self) -> None:
         """Load the model and allocate the cache (blocking; ``start`` runs it in a thread)."""
+        import torch
+
         from trtserver.engine.torch.core import EngineCore
         from trtserver.engine.torch.model import load_model
 
+        if self.device is None:  # in the engine process: settled here, where the model loads
+            self._resolve()
+        assert self.device is not None
         if self.device.type == "cpu":
             # oneDNN caches a primitive per GEMM shape (1024 by default); with ever-new batch and chunk
             # shapes that cache is what grew RSS under a soak. 256 holds the decode working set.
@@ -177,6 +216,7 @@ class TorchEngine:
             if can_pack_for_cpu():
                 pack_for_cpu(model)
         self.dtype = dtype
+        self.dtype_name = str(dtype).removeprefix("torch.")
         if self.device.type == "cpu":
             _release_freed_memory()  # the float32 checkpoint read and cast: ~50 MB of RSS otherwise kept
         if self.adapters is not None:
@@ -244,6 +284,8 @@ class TorchEngine:
 
 
 def resolve_device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
@@ -260,6 +302,8 @@ def pick_cpu_dtype() -> torch.dtype:
     Where /proc/cpuinfo lists those, bfloat16 without timing: on a busy machine the timing is noise
     (it picked float32 on a loaded avx512_bf16 box, which then decoded at half speed), and it
     costs ~1 s of start-up."""
+    import torch
+
     from trtserver.engine.torch.cpu_weights import PackedLinear, can_pack_for_cpu
 
     if _cpu_has_bf16():

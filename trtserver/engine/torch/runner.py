@@ -14,10 +14,13 @@ import asyncio
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from trtserver.engine.base import GenerationRequest, SequenceOutput
-from trtserver.engine.torch.core import EngineCore
 from trtserver.errors import EngineError
+
+if TYPE_CHECKING:  # the server's side of an engine process imports this module, and no torch
+    from trtserver.engine.torch.core import EngineCore
 
 _Command = tuple[str, object, object]
 

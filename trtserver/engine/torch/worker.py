@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
     except BaseException as exc:  # noqa: BLE001 - reported to the server, which fails its start-up
         conn.send_bytes(ipc.encode_plain(ipc.FAILED, f"{type(exc).__name__}: {exc}"))
         return 1
-    conn.send_bytes(ipc.encode_plain(ipc.READY, {"dtype": str(engine.dtype).removeprefix("torch.")}))
+    conn.send_bytes(ipc.encode_plain(ipc.READY, {"dtype": engine.dtype_name, "quantization": engine.quantize}))
     try:
         serve(engine.core, engine.tokenizer, conn)
     except (EOFError, OSError):  # the server went away
