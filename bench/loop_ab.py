@@ -42,11 +42,12 @@ def stream_once(port: int, tokens: int) -> None:
 
 
 def server(tree: Path, engine_dir: Path, extra: list[str]) -> peers.Server:
-    """``trtserver serve`` running the code in ``tree`` (first on PYTHONPATH, also for its engine process)."""
+    """``trtserver serve`` running the code in ``tree``: run from there (``-m`` puts the working directory
+    first on sys.path) and first on PYTHONPATH (for its engine process too)."""
     port = peers.free_port()
     cmd = [sys.executable, "-m", "trtserver.cli", "serve", str(engine_dir), "--host", "127.0.0.1", "--port",
            str(port), "--log-format", "json", *extra]
-    return peers.Server(f"loop-ab-{tree.name}", cmd, port, "/health", env={"PYTHONPATH": str(tree)})
+    return peers.Server(f"loop-ab-{tree.name}", cmd, port, "/health", env={"PYTHONPATH": str(tree)}, cwd=tree)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -146,6 +146,7 @@ class Server:
     port: int
     ready_path: str
     env: dict[str, str] = field(default_factory=dict)
+    cwd: Path = ROOT
     proc: subprocess.Popen[bytes] | None = None
     startup_s: float = float("nan")
     peak_rss: int = 0
@@ -161,7 +162,7 @@ class Server:
         env = {**os.environ, **self.env}
         log = self.log_path.open("wb")
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
                                      start_new_session=True)
         deadline = t0 + timeout_s
         while time.perf_counter() < deadline:

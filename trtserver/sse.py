@@ -8,6 +8,7 @@ from typing import TypeVar
 
 import structlog
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 from msgspec import UNSET
 
 from trtserver import errors
@@ -60,6 +61,35 @@ def _event(payload: object) -> bytes:
     return b"data: " + encoder.encode(payload) + b"\n\n"
 
 
+class EventWriter:
+    """Puts a prepared stream's events on its socket: straight onto the transport, framed for
+    chunked transfer-encoding when the response is chunked (HTTP/1.1). This runs once per streamed
+    token, and aiohttp's ``StreamResponse.write`` takes five Python calls to do the same; it is
+    still used for the first event (it carries the buffered headers) and for the end."""
+
+    def __init__(self, request: web.Request, response: web.StreamResponse,
+                 writer: AbstractStreamWriter | None) -> None:
+        self._transport = request.transport
+        self._response = response
+        self._writer = writer
+        encoding = response.headers.get("Transfer-Encoding", "")  # as prepared for the wire
+        self._chunked = encoding == "chunked"
+        self._direct = writer is not None and not response.compression and encoding in ("", "chunked")
+        self._headers_sent = False
+
+    async def send(self, event: bytes) -> None:
+        if not self._headers_sent or not self._direct:
+            self._headers_sent = True
+            await self._response.write(event)
+            return
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client went away")
+        transport.write(b"%x\r\n%b\r\n" % (len(event), event) if self._chunked else event)
+        if transport.get_write_buffer_size() and self._writer is not None:  # a slow reader: wait while
+            await self._writer.drain()  # aiohttp's protocol says the buffer is full
+
+
 async def stream_response(request: web.Request, service: CompletionService, prepared: Prepared,
                           timeout_s: float | None) -> web.StreamResponse:
     chunks = service.stream(prepared)
@@ -70,10 +100,10 @@ async def stream_response(request: web.Request, service: CompletionService, prep
     # the first chunk is produced before the headers go out, so early errors are plain 4xx/5xx
     chunk = await deadline.next(chunks)
     response = web.StreamResponse(headers={**SSE_HEADERS, **prepared.context.response_headers})
-    await response.prepare(request)
+    events = EventWriter(request, response, await response.prepare(request))
     try:
         while chunk is not None:
-            await response.write(_event(chunk))
+            await events.send(_event(chunk))
             if joined is not None:
                 joined.add(chunk)
             usage = chunk.usage or usage

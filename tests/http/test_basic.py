@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,6 +59,38 @@ def test_stream_ends_with_done(http: httpx.Client) -> None:
         lines = [line for line in response.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     assert all(line.startswith("data: ") for line in lines)
+
+
+@pytest.mark.parametrize("version", ["1.1", "1.0"])
+def test_stream_bytes_on_the_wire(base_url: str, client: OpenAI, version: str) -> None:
+    """Events after the first go straight to the socket: chunk-framed for HTTP/1.1, bare for HTTP/1.0
+    (which ends the body by closing)."""
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True})
+    url = httpx.URL(base_url)
+    with socket.create_connection((url.host, url.port), timeout=60) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/{version}\r\nHost: {url.host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n{body}".encode())
+        raw = b""
+        while data := sock.recv(65536):
+            raw += data
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    if version == "1.1":
+        assert b"transfer-encoding: chunked" in head.lower()
+        events, rest = b"", payload
+        while True:  # undo the chunked framing: size line, data, CRLF; a zero size ends it
+            size_line, _, rest = rest.partition(b"\r\n")
+            size = int(size_line, 16)
+            if size == 0:
+                break
+            events, rest = events + rest[:size], rest[size + 2:]
+    else:
+        assert b"transfer-encoding" not in head.lower()
+        events = payload
+    lines = [line for line in events.decode().split("\n\n") if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]]
+    assert len(texts) >= 8 and "".join(texts) == full
 
 
 def _alone_and_together(client: OpenAI) -> tuple[list[str], list[str]]:

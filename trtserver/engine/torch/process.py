@@ -23,9 +23,9 @@ from typing import Any
 import msgspec
 
 from trtserver.config import ServerConfig
-from trtserver.engine.base import EngineStats, GenerationRequest, SequenceOutput
+from trtserver.engine.base import EngineStats, GenerationRequest
 from trtserver.engine.torch import ipc
-from trtserver.engine.torch.runner import RequestStreams
+from trtserver.engine.torch.runner import Mailbox, RequestStreams
 from trtserver.errors import EngineError
 
 
@@ -85,13 +85,13 @@ class EngineProcess(RequestStreams):
             self._transport.close()
         self._process = None
 
-    def _submit(self, request: GenerationRequest, q: asyncio.Queue[SequenceOutput | BaseException]) -> None:
+    def _submit(self, request: GenerationRequest, box: Mailbox) -> None:
         if self.failure is not None:
             raise EngineError(f"the engine process is not running: {self.failure}")
         if self._transport is None or self._transport.is_closing():
             raise EngineError("the engine is not running")
         message = ipc.encode_request(request, self._tokenizer)  # raises before anything is registered
-        self._queues[request.request_id] = q
+        self._boxes[request.request_id] = box
         self._transport.write(ipc.HEADER.pack(len(message)) + message)
 
     def abort(self, request_id: str, index: int | None = None) -> None:
@@ -114,7 +114,7 @@ class EngineProcess(RequestStreams):
         self._fail_all(EngineError(self.failure or "the engine shut down"))
 
     def _fail_all(self, exc: EngineError) -> None:
-        self._dispatch([], [(rid, exc) for rid in self._queues])
+        self._dispatch([], [(rid, exc) for rid in self._boxes])
 
 
 class _Frames(asyncio.Protocol):
