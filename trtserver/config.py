@@ -43,6 +43,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cuda_graphs: bool = True
     # the model in a process of its own, off the server's GIL (see trtserver/engine/torch/process.py)
     engine_process: bool = True
+    # with engine_process on CPU: the engine's threads bound one per CPU (OpenMP), the event loop to the last CPU
+    pin_threads: bool = True
     # TensorRT-LLM engine
     tensor_parallel_size: Annotated[int, Meta(ge=1)] = 1
     pipeline_parallel_size: Annotated[int, Meta(ge=1)] = 1

@@ -264,6 +264,10 @@ async def _load_engine(app: web.Application) -> None:
     try:
         engine = build_engine(state.config, state.pm)
         await engine.start()
+        if getattr(engine, "threads_bound", False):
+            from trtserver.engine.torch.process import pin_this_thread_to_last_cpu
+
+            pin_this_thread_to_last_cpu()  # this is the event loop's thread
         state.engine = engine
         info = engine.info
         fingerprint = state.pm.hook.trtserver_system_fingerprint(engine_info=info)

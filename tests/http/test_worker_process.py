@@ -30,6 +30,18 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def assert_pinned(server_pid: int, worker_pid: int, *, pinned: bool) -> None:
+    """``--pin-threads`` (the default): the engine's OpenMP threads bound one per CPU, the event loop
+    (the server's main thread) on the last CPU; ``--no-pin-threads``: neither."""
+    cpus = sorted(os.sched_getaffinity(0))
+    environ = Path(f"/proc/{worker_pid}/environ").read_bytes().split(b"\0")
+    assert (b"OMP_PROC_BIND=close" in environ) is pinned and (b"OMP_PLACES=threads" in environ) is pinned
+    loop_cpus = os.sched_getaffinity(server_pid)
+    assert loop_cpus == ({cpus[-1]} if pinned and len(cpus) > 1 else set(cpus))
+    if pinned and len(cpus) > 1:  # the model's own thread is bound to the first CPU
+        assert os.sched_getaffinity(worker_pid) == {cpus[0]}
+
+
 async def test_engine_process_death_fails_the_stream_and_health(engine_dir: Path) -> None:
     server = Server(engine_dir, *SMALL)
     try:
@@ -37,6 +49,7 @@ async def test_engine_process_death_fails_the_stream_and_health(engine_dir: Path
         (worker,) = children(server.process.pid)
         assert "trtserver.engine.torch.worker" in Path(f"/proc/{worker}/cmdline").read_text()
         assert "(event loop: uvloop)" in server.log()  # the default where uvloop is installed
+        assert_pinned(server.process.pid, worker, pinned=True)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             response = await session.post(f"{server.base}/v1/completions", json={**LONG, "stream": True})
             assert response.status == 200
@@ -94,9 +107,11 @@ def trtserver_logits_processors(request, context, tokenizer):
 async def test_a_plugin_file_s_processors_reach_the_engine_process(engine_dir: Path, tmp_path: Path) -> None:
     plugin = tmp_path / "force_yes.py"
     plugin.write_text(FILE_PLUGIN)
-    server = Server(engine_dir, *SMALL, "--plugin", str(plugin))
+    server = Server(engine_dir, *SMALL, "--plugin", str(plugin), "--no-pin-threads")
     try:
         await wait_ready(server)
+        (worker,) = children(server.process.pid)
+        assert_pinned(server.process.pid, worker, pinned=False)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             async with session.post(f"{server.base}/v1/completions",
                                     json={"prompt": "Say no", "max_tokens": 3, "temperature": 0}) as r:

@@ -270,6 +270,11 @@ class TorchEngine:
             self.runner.abort(request_id, index)
 
     @property
+    def threads_bound(self) -> bool:
+        """The engine process's threads are bound one per CPU; the server then pins its event loop."""
+        return bool(getattr(self.runner, "threads_bound", False))
+
+    @property
     def failure(self) -> str | None:
         """Why the engine process died under the server, if it did (``/health`` reports it)."""
         return getattr(self.runner, "failure", None)
