@@ -75,13 +75,20 @@ async def inproc_stream(engine: Any, prompt: list[int], tokens: int, rid: str) -
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     from trtserver.engine.torch.engine import TorchEngine
 
-    server = peers.ours(args.engine_dir.resolve(), peers.free_port(), extra=args.ours_args.split())
+    options: dict[str, Any] = {"engine_process": True}  # the server's defaults, as in the server
+    extra = args.ours_args.split()
+    if args.dtype != "auto":
+        options["dtype"] = args.dtype
+        extra += ["--dtype", args.dtype]
+    if args.device != "cpu":
+        options["device"] = args.device
+    server = peers.ours(args.engine_dir.resolve(), peers.free_port(), device=args.device, extra=extra)
     rows: list[dict[str, float]] = []
     with server:
         server.start(timeout_s=180)
         assert server.proc is not None
         pid = server.proc.pid
-        engine = TorchEngine.from_dir(args.engine_dir, engine_process=True)
+        engine = TorchEngine.from_dir(args.engine_dir, **options)
         await engine.start()
         try:
             prompt = engine.tokenizer.encode(SHORT)
@@ -121,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--ours-args", default="", help="extra flags for `trtserver serve` (space-separated)")
+    ap.add_argument("--dtype", default="auto", help="both sides")
+    ap.add_argument("--device", default="cpu", help="both sides")
     ap.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     ap.add_argument("--json", action="store_true", help="print one RESULT line of JSON (for the harness)")
     args = ap.parse_args(argv)
