@@ -29,7 +29,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     served_model_name: str | None = None
     # PyTorch engine
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_batch_size: Annotated[int, Meta(ge=1)] = 16
     max_model_len: Annotated[int, Meta(ge=1)] | None = None
     prefill_chunk_size: Annotated[int, Meta(ge=16)] = 512

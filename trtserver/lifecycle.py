@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 from aiohttp import web
@@ -27,7 +29,31 @@ async def drain(app: web.Application, grace_s: float) -> None:
         log.warning("shutdown_grace_expired", in_flight=state.in_flight)
 
 
+def pin_event_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """``--pin-threads``, once the engine process runs with its threads bound one per CPU: this thread
+    (the event loop) goes to the last CPU, beside the engine's last thread and never its first (the
+    one that runs the model's Python between parallel regions). Threads and processes inherit the
+    affinity of the thread that starts them, so the loop's default executor (``asyncio.to_thread``:
+    guided-decoder compiles, and the pools and processes those start) gets the whole set back."""
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2:
+        return
+    loop.set_default_executor(ThreadPoolExecutor(initializer=os.sched_setaffinity, initargs=(0, cpus)))
+    try:
+        os.sched_setaffinity(0, {max(cpus)})
+    except OSError as exc:  # a sandbox that forbids it: serve unpinned
+        log.warning("event_loop_not_pinned", error=str(exc))
+        return
+    log.info("event_loop_pinned", cpu=max(cpus))
+
+
+def _pin_if_bound(engine: object) -> None:
+    if getattr(engine, "threads_bound", False):
+        pin_event_loop(asyncio.get_running_loop())
+
+
 async def run_server(app: web.Application, config: ServerConfig) -> int:
+    app[STATE].engine_started = _pin_if_bound  # before it reports ready (the loading begins in setup)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)

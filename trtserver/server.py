@@ -54,6 +54,8 @@ class ServerState:
     in_flight: int = 0
     engine_task: asyncio.Task[None] | None = None
     metrics: Metrics | None = None
+    # `trtserver serve` sets it (to pin the event loop): what runs once the engine has started
+    engine_started: Callable[[Engine], None] | None = None
 
 
 STATE = web.AppKey("trtserver_state", ServerState)
@@ -264,11 +266,9 @@ async def _load_engine(app: web.Application) -> None:
     try:
         engine = build_engine(state.config, state.pm)
         await engine.start()
-        if getattr(engine, "threads_bound", False):
-            from trtserver.engine.torch.process import pin_this_thread_to_last_cpu
-
-            pin_this_thread_to_last_cpu()  # this is the event loop's thread
         state.engine = engine
+        if state.engine_started is not None:
+            state.engine_started(engine)
         info = engine.info
         fingerprint = state.pm.hook.trtserver_system_fingerprint(engine_info=info)
         model_name = state.config.served_model_name or info.model_name

@@ -79,8 +79,8 @@ class IncrementalDecoder:
         self._skip = skip_special_tokens
         self._space_specials = spaces_between_special_tokens and not skip_special_tokens
         self._specials = tokenizer.special_token_ids
-        self._stream = tokenizer.decode_stream(skip_special_tokens=skip_special_tokens)
         self._bytes = tokenizer.token_bytes if byte_table else None
+        self._stream = tokenizer.decode_stream(skip_special_tokens=skip_special_tokens) if self._bytes is None else None
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._produced = False
         self._after_special = False
@@ -90,8 +90,9 @@ class IncrementalDecoder:
             if self._skip:
                 return ""
             piece = self._tokenizer.id_to_token(token_id) or ""
-            # a special token resets the byte-level state: start a fresh stream after it
-            self._stream = self._tokenizer.decode_stream(skip_special_tokens=self._skip)
+            # a special token resets the byte-level state: start afresh after it
+            if self._stream is not None:
+                self._stream = self._tokenizer.decode_stream(skip_special_tokens=self._skip)
             self._utf8.reset()
             if self._space_specials and self._produced:
                 piece = " " + piece
@@ -102,6 +103,7 @@ class IncrementalDecoder:
         if table is not None:
             piece = self._utf8.decode(table[token_id]) if 0 <= token_id < len(table) else ""
         else:
+            assert self._stream is not None
             try:
                 piece = self._stream.step(self._backend, token_id) or ""
             except Exception:  # ids the tokenizer does not know decode to nothing, never crash

@@ -271,8 +271,10 @@ class TorchEngine:
 
     @property
     def threads_bound(self) -> bool:
-        """The engine process's threads are bound one per CPU; the server then pins its event loop."""
-        return bool(getattr(self.runner, "threads_bound", False))
+        """The engine process runs on the CPU with its threads bound one per CPU (``--pin-threads``);
+        ``trtserver serve`` then pins its event loop."""
+        runner = self.runner
+        return bool(getattr(runner, "threads_bound", False) and runner.report.get("device") == "cpu")
 
     @property
     def failure(self) -> str | None:

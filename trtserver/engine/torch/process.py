@@ -35,14 +35,14 @@ class EngineProcess(RequestStreams):
     def __init__(self, config: ServerConfig, *, seed: int | None, quantize: str | None, tokenizer: object) -> None:
         super().__init__()
         self._start_args = (msgspec.to_builtins(config), seed, quantize or "none")
-        # the server pins its event loop to the last CPU once this has started (see pin_this_thread_to_last_cpu)
+        # the engine's threads bound one per CPU (pinned_env); `trtserver serve` then pins its event loop
         self.threads_bound = (config.pin_threads and config.device in ("auto", "cpu")
                               and hasattr(os, "sched_setaffinity"))
         self._tokenizer = tokenizer
         self._process: subprocess.Popen[bytes] | None = None
         self._transport: asyncio.Transport | None = None
         self.stats = EngineStats(slots_total=config.max_batch_size)
-        self.report: dict[str, Any] = {}  # what the engine process found: its dtype
+        self.report: dict[str, Any] = {}  # what the engine process settled: device, dtype, quantization
         self.failure: str | None = None  # set when the engine process died under the server
         self._stopping = False
 
@@ -134,15 +134,6 @@ def pinned_env(environ: Mapping[str, str]) -> dict[str, str]:
     if "OMP_PROC_BIND" not in env and "OMP_PLACES" not in env:
         env.update(OMP_PROC_BIND="close", OMP_PLACES="threads")
     return env
-
-
-def pin_this_thread_to_last_cpu() -> None:
-    """For the server's event loop, once the engine process has started (a child inherits the
-    affinity of the thread that starts it): it then shares the last CPU with the engine's last
-    thread, never with its first (the one that runs the model's Python between parallel regions)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) > 1:
-        os.sched_setaffinity(0, {cpus[-1]})
 
 
 class _Frames(asyncio.Protocol):

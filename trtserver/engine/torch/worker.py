@@ -9,6 +9,7 @@ the server asks, when the socket closes, or when the server process dies.
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import sys
 from multiprocessing.connection import Connection
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server stops us
     _die_with_parent()
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None  # before OpenMP binds us
     conn = Connection(int(argv[0]))
     kind_payload = conn.recv_bytes()
     config_raw, seed, quantize = ipc.decode_plain(kind_payload[1:])
@@ -40,7 +42,11 @@ def main(argv: list[str]) -> int:
     except BaseException as exc:  # noqa: BLE001 - reported to the server, which fails its start-up
         conn.send_bytes(ipc.encode_plain(ipc.FAILED, f"{type(exc).__name__}: {exc}"))
         return 1
-    conn.send_bytes(ipc.encode_plain(ipc.READY, {"dtype": engine.dtype_name, "quantization": engine.quantize}))
+    assert engine.device is not None
+    if engine.device.type != "cpu" and cpus is not None:  # bound for a CPU engine that turned out a GPU one
+        os.sched_setaffinity(0, cpus)
+    conn.send_bytes(ipc.encode_plain(ipc.READY, {"dtype": engine.dtype_name, "quantization": engine.quantize,
+                                                 "device": engine.device.type}))
     try:
         serve(engine.core, engine.tokenizer, conn)
     except (EOFError, OSError):  # the server went away
