@@ -1,17 +1,14 @@
-"""In-process decode measurements, each run in its own process by the harness; prints one JSON line.
+"""llama.cpp decoding in process, run in its own process (the peer's venv) by the harness; prints one JSON line.
 
-    .venv/bin/python -m bench.inproc torch --engine-dir engines/SmolLM2-135M-Instruct [--dtype bfloat16]
     .cache/bench-llamacpp-venv/bin/python bench/inproc.py llamacpp --gguf X.gguf --threads 1
 
-``torch``: ``TorchEngine.generate`` at batch 1, greedy, ``ignore_eos``; the per-token time is the median gap
-between deltas (what the HTTP path adds on top of it is the server overhead per streamed token).
-``llamacpp``: ``llama_cpp.Llama.generate`` (greedy, EOS not checked) for exactly ``--tokens`` tokens.
+``llama_cpp.Llama.generate`` (greedy, EOS not checked) for exactly ``--tokens`` tokens: the stretch target's
+reference. Our engine without a server is measured by ``bench.overhead``, paired with the same requests over HTTP.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
@@ -35,41 +32,6 @@ def summarize(runs: list[tuple[float, list[float]]], tokens: int) -> dict[str, f
             gaps.append(statistics.median(b - a for a, b in zip(times, times[1:], strict=False)))
     return {"decode_tps": statistics.median(decode_tps), "tpot_ms": statistics.median(gaps) * 1000,
             "ttft_ms": statistics.median(ttfts) * 1000, "tokens": tokens, "runs": len(runs)}
-
-
-async def torch_runs(args: argparse.Namespace) -> dict[str, object]:
-    from trtserver.engine.base import GenerationRequest, SamplingParams
-    from trtserver.engine.torch.engine import TorchEngine
-
-    # the server's defaults (16 slots, the model's full context, the model in its own process with its
-    # thread counts), so the two runs do the same work per step and differ by HTTP, detokenizing and SSE
-    options: dict[str, object] = {"threads": args.threads, "engine_process": True}
-    if args.dtype != "auto":
-        options["dtype"] = args.dtype
-    if args.device != "cpu":
-        options["device"] = args.device
-    engine = TorchEngine.from_dir(args.engine_dir, **options)
-    await engine.start()
-    prompt = engine.tokenizer.encode(PROMPTS[args.prompt])
-    results = []
-    n_tokens = 0
-    try:
-        for i in range(args.repeat + 1):  # the first is a warm-up
-            params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-            t0 = time.perf_counter()
-            times: list[float] = []
-            async for delta in engine.generate(GenerationRequest(f"inproc-{i}", prompt, params)):
-                now = time.perf_counter() - t0
-                times.extend([now] * len(delta.token_ids))
-            if i > 0:
-                results.append((times[0], times))
-                n_tokens = len(times)
-    finally:
-        await engine.shutdown()
-    out: dict[str, object] = dict(summarize(results, n_tokens))
-    out.update(kind="torch", dtype=engine.dtype_name, prompt=args.prompt,
-               prompt_tokens=len(prompt))
-    return out
 
 
 def llamacpp_runs(args: argparse.Namespace) -> dict[str, object]:
@@ -96,20 +58,14 @@ def llamacpp_runs(args: argparse.Namespace) -> dict[str, object]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("kind", choices=["torch", "llamacpp"])
-    ap.add_argument("--engine-dir")
+    ap.add_argument("kind", choices=["llamacpp"])
     ap.add_argument("--gguf")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--prompt", choices=list(PROMPTS), default="short")
     args = ap.parse_args()
-    if args.kind == "torch":
-        out = asyncio.run(torch_runs(args))
-    else:
-        out = llamacpp_runs(args)
+    out = llamacpp_runs(args)
     print("RESULT " + json.dumps(out), flush=True)
 
 
