@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncGenerator, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import pluggy
 import structlog
@@ -28,7 +29,7 @@ from trtserver.choices import (
     vllm_prompt_logprobs,
 )
 from trtserver.config import ServerConfig
-from trtserver.engine.base import Engine, GenerationRequest, GuidedDecoder, SequenceOutput
+from trtserver.engine.base import DeltaSink, Engine, GenerationRequest, GuidedDecoder, SequenceOutput
 from trtserver.errors import InvalidRequest, Overloaded, Unsupported
 from trtserver.guided import GuideContext, GuideSpec, guide_spec_from_request
 from trtserver.plugins import await_me_maybe
@@ -64,6 +65,16 @@ class Prepared:
     first_token_at: float | None = None
     sequences: int = 1  # reserved in the waiting bound until the request ends
     completed: bool = False  # False: the client went away or it failed
+    # set by the SSE writer once the headers are out: chunks may go straight to the client
+    sink: ChunkSink | None = None
+
+
+class ChunkSink(Protocol):
+    """Where a streaming response's chunks can be written without waiting (``sse.EventWriter``)."""
+
+    def writable(self) -> bool: ...
+
+    def write(self, chunk: CompletionResponse) -> None: ...
 
 
 class CompletionService:
@@ -240,6 +251,32 @@ class CompletionService:
             return self._chunk(prepared, [piece], usage), choice.finished
 
         remaining = len(choices)
+        end_pulled: Callable[[], None] | None = None  # set once deltas are pushed to ``take``
+        push_tried = False
+        failure: Exception | None = None
+
+        def take(delta: SequenceOutput) -> bool:
+            """The engine's dispatch offers each delta here first, while this generator waits for its
+            next one: a streamed token is shaped and written with no task switch and no generator
+            frames. Final deltas, and any while the client's socket is backed up, are declined and
+            come through the loop below."""
+            nonlocal remaining, failure
+            sink = prepared.sink
+            if sink is None or delta.finish_reason is not None or not sink.writable() or end_pulled is None:
+                return False
+            try:
+                chunk, ended = on_delta(0, delta)
+                if chunk is not None:
+                    sink.write(chunk)
+            except Exception as exc:  # the reader raises it, as the loop below would have
+                failure = exc
+                end_pulled()
+                return True
+            remaining -= ended
+            if remaining == 0:
+                end_pulled()
+            return True
+
         try:
             async with aclosing(self._engine_outputs(prepared)) as outputs:
                 async for prompt_index, delta in outputs:
@@ -249,11 +286,24 @@ class CompletionService:
                         yield chunk
                     if remaining == 0:
                         break
+                    if not push_tried and prepared.sink is not None:
+                        push_tried = True
+                        end_pulled = self._push_to(prepared, take)
+            if failure is not None:
+                raise failure
             prepared.completed = True
         finally:
             prepared.usage = self.usage(prepared, choices.values())
         if usage_chunk:
             yield self._chunk(prepared, [], prepared.usage)
+
+    def _push_to(self, prepared: Prepared, take: DeltaSink) -> Callable[[], None] | None:
+        """Deltas handed to ``take`` as they arrive, where the engine can (``push_to``) and the
+        request has one engine stream; returns the function that ends that stream."""
+        push_to = getattr(self.engine, "push_to", None)
+        if push_to is None or len(prepared.engine_requests) != 1:
+            return None
+        return push_to(prepared.engine_requests[0].request_id, take)  # type: ignore[no-any-return]
 
     def _engine_outputs(self, prepared: Prepared) -> AsyncGenerator[tuple[int, SequenceOutput], None]:
         """Every prompt's engine stream, interleaved as deltas arrive (``max_tokens=0`` too: engines

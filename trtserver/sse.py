@@ -65,7 +65,10 @@ class EventWriter:
     """Puts a prepared stream's events on its socket: straight onto the transport, framed for
     chunked transfer-encoding when the response is chunked (HTTP/1.1). This runs once per streamed
     token, and aiohttp's ``StreamResponse.write`` takes five Python calls to do the same; it is
-    still used for the first event (it carries the buffered headers) and for the end."""
+    still used for the first event (it carries the buffered headers) and for the end.
+
+    It is also the request's ``ChunkSink``: the service writes chunks here itself, from the engine's
+    dispatch, while the socket takes them without waiting."""
 
     def __init__(self, request: web.Request, response: web.StreamResponse,
                  writer: AbstractStreamWriter | None) -> None:
@@ -85,9 +88,21 @@ class EventWriter:
         transport = self._transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client went away")
-        transport.write(b"%x\r\n%b\r\n" % (len(event), event) if self._chunked else event)
+        self._put(transport, event)
         if transport.get_write_buffer_size() and self._writer is not None:  # a slow reader: wait while
             await self._writer.drain()  # aiohttp's protocol says the buffer is full
+
+    def writable(self) -> bool:
+        transport = self._transport
+        return (self._headers_sent and self._direct and transport is not None and not transport.is_closing()
+                and not transport.get_write_buffer_size())
+
+    def write(self, chunk: CompletionResponse) -> None:
+        assert self._transport is not None  # writable() said so
+        self._put(self._transport, _event(chunk))
+
+    def _put(self, transport: asyncio.Transport, event: bytes) -> None:
+        transport.write(b"%x\r\n%b\r\n" % (len(event), event) if self._chunked else event)
 
 
 async def stream_response(request: web.Request, service: CompletionService, prepared: Prepared,
@@ -101,6 +116,8 @@ async def stream_response(request: web.Request, service: CompletionService, prep
     chunk = await deadline.next(chunks)
     response = web.StreamResponse(headers={**SSE_HEADERS, **prepared.context.response_headers})
     events = EventWriter(request, response, await response.prepare(request))
+    if joined is None:  # a plugin's joined response needs every chunk to pass through here
+        prepared.sink = events
     try:
         while chunk is not None:
             await events.send(_event(chunk))
@@ -124,6 +141,7 @@ async def stream_response(request: web.Request, service: CompletionService, prep
                                        service_tier=prepared.context.service_tier or UNSET)
             await service.response_ready(prepared, whole)
     finally:
+        prepared.sink = None
         await chunks.aclose()
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()

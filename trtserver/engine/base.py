@@ -199,6 +199,18 @@ class Engine(Protocol):
     # Optional: ``check(request) -> list[tuple[param, reason]]`` lists what this engine must refuse
     # for a request (the serving layer answers 400 naming the first); engines that can serve
     # everything the capabilities allow need not define it.
+    #
+    # Optional: ``push_to(request_id, sink) -> end | None``, for a request whose ``generate`` stream
+    # is being read: the engine may hand a delta to ``sink`` (a ``DeltaSink``) instead of the stream,
+    # but only while the reader waits with nothing queued, so order is kept; a delta the sink declines
+    # goes to the stream. ``end()`` ends the stream early. A streamed token then costs no task switch
+    # and no generator frames (the PyTorch engine has it).
+
+
+class DeltaSink(Protocol):
+    def __call__(self, delta: SequenceOutput) -> bool:
+        """Take ``delta`` now (True), or decline it (False): it then goes to the pulled stream."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
