@@ -1,7 +1,10 @@
 """CompletionService: a request in, a stream of chunks out (or those chunks collected).
 
 There is one path: ``stream()`` yields ``CompletionResponse`` chunks; ``complete()`` collects
-them into the non-streaming response (and ranks ``best_of`` there).
+them into the non-streaming response (and ranks ``best_of`` there). One shortcut: once a streamed
+response's headers are out, an engine with ``push_to`` hands it each middle token from its own
+dispatch, and the same ``on_delta`` shapes it and writes it to the client (``Prepared.sink``);
+first and final tokens, errors and a backed-up socket stay on the generator.
 """
 
 from __future__ import annotations
