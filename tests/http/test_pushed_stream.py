@@ -46,9 +46,9 @@ class BreakingPlugin:
         return [lambda: FailingStop(int(fail_at))] if fail_at else None
 
 
-@pytest.fixture(scope="module")
-async def client() -> AsyncIterator[TestClient[Any, Any]]:
-    async with serve([BreakingPlugin()], installed_plugins=False) as test_client:
+@pytest.fixture(scope="module", params=[True, False], ids=["engine-process", "engine-thread"])
+async def client(request: pytest.FixtureRequest) -> AsyncIterator[TestClient[Any, Any]]:
+    async with serve([BreakingPlugin()], installed_plugins=False, engine_process=request.param) as test_client:
         yield test_client
 
 
