@@ -2,9 +2,9 @@
 
 There is one path: ``stream()`` yields ``CompletionResponse`` chunks; ``complete()`` collects
 them into the non-streaming response (and ranks ``best_of`` there). One shortcut: once a streamed
-response's headers are out, an engine with ``push_to`` hands it each middle token from its own
+response's first chunk is out, an engine with ``push_to`` hands it each delta from its own
 dispatch, and the same ``on_delta`` shapes it and writes it to the client (``Prepared.sink``);
-first and final tokens, errors and a backed-up socket stay on the generator.
+the engine's final deltas, errors and deltas met by a backed-up socket stay on the generator.
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ class CompletionService:
         remaining = len(choices)
         end_pulled: Callable[[], None] | None = None  # set once deltas are pushed to ``take``
         push_tried = False
-        failure: Exception | None = None
+        failure: BaseException | None = None
 
         def take(delta: SequenceOutput) -> bool:
             """The engine's dispatch offers each delta here first, while this generator waits for its
@@ -271,7 +271,7 @@ class CompletionService:
                 chunk, ended = on_delta(0, delta)
                 if chunk is not None:
                     sink.write(chunk)
-            except Exception as exc:  # the reader raises it, as the loop below would have
+            except BaseException as exc:  # raised by the reader, never into the engine's dispatch
                 failure = exc
                 end_pulled()
                 return True

@@ -92,6 +92,11 @@ class EventWriter:
         if transport.get_write_buffer_size() and self._writer is not None:  # a slow reader: wait while
             await self._writer.drain()  # aiohttp's protocol says the buffer is full
 
+    @property
+    def direct(self) -> bool:
+        """Events after the first go straight to the transport (not compressed, plain or chunked)."""
+        return self._direct
+
     def writable(self) -> bool:
         transport = self._transport
         return (self._headers_sent and self._direct and transport is not None and not transport.is_closing()
@@ -116,7 +121,7 @@ async def stream_response(request: web.Request, service: CompletionService, prep
     chunk = await deadline.next(chunks)
     response = web.StreamResponse(headers={**SSE_HEADERS, **prepared.context.response_headers})
     events = EventWriter(request, response, await response.prepare(request))
-    if joined is None:  # a plugin's joined response needs every chunk to pass through here
+    if joined is None and events.direct:  # a plugin's joined response needs every chunk to pass here
         prepared.sink = events
     try:
         while chunk is not None:

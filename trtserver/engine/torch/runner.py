@@ -91,8 +91,8 @@ class RequestStreams:
         try:
             while num_outputs:
                 item = box.items.popleft() if box.items else await box.get()
-                if item is None:  # ended early by its sink's owner
-                    break
+                if item is None:  # ended early by its sink's owner: the engine stops it (finally)
+                    return
                 if isinstance(item, BaseException):
                     finished = True  # the worker already dropped the request
                     raise item
