@@ -108,7 +108,10 @@ class Int4Head(Int4Linear):
         rows = x.numel() // x.shape[-1]
         flat, xs = y.view(rows, self.out_features), x.reshape(rows, 1, x.shape[-1])
         best = flat.topk(self.REFINE, dim=-1, sorted=False).indices  # (rows, REFINE)
-        exact = (xs.float() @ self.weight[best].float().transpose(1, 2)).view(rows, self.REFINE)
+        # index_select, not weight[best]: advanced indexing took twice as long here (360 vs 187 µs
+        # for this whole line at one row, in a decode step)
+        chosen = self.weight.index_select(0, best.view(-1)).view(rows, self.REFINE, -1)
+        exact = torch.bmm(xs.float(), chosen.float().transpose(1, 2)).view(rows, self.REFINE)
         if self.bias is not None:
             exact += self.bias[best]
         flat.scatter_(1, best, exact.to(flat.dtype))
