@@ -15,7 +15,7 @@ import pytest_asyncio
 from tests.engine.test_torch_engine import PROMPTS, collect, greedy, wait_idle
 from tests.support import AllowedTokens, BanToken
 from trtserver.config import ServerConfig
-from trtserver.engine.base import EngineStats, GenerationRequest, SamplingParams, SequenceOutput
+from trtserver.engine.base import EngineStats, GenerationRequest, Priority, SamplingParams, SequenceOutput
 from trtserver.engine.torch import ipc
 from trtserver.engine.torch.engine import TorchEngine
 from trtserver.errors import EngineError, NotFound
@@ -199,3 +199,15 @@ def test_requests_carry_the_tokenizer_as_a_reference(engine: TorchEngine) -> Non
     assert rebuilt.sampling == request.sampling and rebuilt.prompt_token_ids == [1, 2]
     processor = rebuilt.logits_processors[0]()
     assert isinstance(processor, BanToken) and processor.tokenizer is other
+
+
+def test_requests_without_plugin_objects_take_the_c_pickler(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_cloudpickle(*args: object, **kwargs: object) -> None:
+        raise AssertionError("cloudpickle was used for a plain request")
+
+    monkeypatch.setattr(ipc._RequestPickler, "dump", no_cloudpickle)  # noqa: SLF001
+    request = GenerationRequest("plain", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.5, seed=7,
+                                                                   logit_bias=((4, 1.5),), stop_token_ids=(9,)),
+                                n=2, priority=Priority.HIGH, adapter="sql")
+    rid, rebuilt = ipc.decode_request(memoryview(ipc.encode_request(request, object()))[1:], object())
+    assert rid == "plain" and rebuilt == request

@@ -84,16 +84,25 @@ class _RequestUnpickler(pickle.Unpickler):
 
 
 def encode_request(request: GenerationRequest, tokenizer: object) -> bytes:
-    """Raises ``EngineError`` when a plugin's object cannot be pickled, before anything is queued."""
-    buffer = io.BytesIO()
-    try:
-        _RequestPickler(buffer, tokenizer).dump(request)
-    except Exception as exc:  # noqa: BLE001 - pickling raises many types
-        raise errors.EngineError(
-            f"a plugin's guided decoder or logits processor cannot be sent to the engine process ({exc!r}); "
-            "its objects must be picklable by cloudpickle, or start the server with --no-engine-process") from exc
+    """Raises ``EngineError`` when a plugin's object cannot be pickled, before anything is queued.
+
+    A request with no guided decoder and no logits processors holds only our own dataclasses: the C
+    pickler takes it (8 against 23 µs warm, and none of cloudpickle's Python per object on this
+    server's cold caches). The engine process unpickles both the same way."""
+    if request.guided is None and not request.logits_processors:
+        blob = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+    else:
+        buffer = io.BytesIO()
+        try:
+            _RequestPickler(buffer, tokenizer).dump(request)
+        except Exception as exc:  # noqa: BLE001 - pickling raises many types
+            raise errors.EngineError(
+                f"a plugin's guided decoder or logits processor cannot be sent to the engine process ({exc!r}); "
+                "its objects must be picklable by cloudpickle, or start the server with --no-engine-process"
+            ) from exc
+        blob = buffer.getvalue()
     # the id travels beside the pickle, so a request that fails to unpickle there still fails here
-    return ADD + msgspec.msgpack.encode((request.request_id, buffer.getvalue()))
+    return ADD + msgspec.msgpack.encode((request.request_id, blob))
 
 
 def decode_request(payload: memoryview | bytes, tokenizer: object) -> tuple[str, GenerationRequest | Exception]:
