@@ -10,7 +10,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from trtserver.engine.base import SequenceOutput
-from trtserver.protocol import CompletionChoice, CompletionLogprobs, CompletionResponse, PromptLogprob
+from trtserver.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    PromptLogprob,
+)
 from trtserver.text import TextStream
 from trtserver.tokenizer import Tokenizer
 
@@ -140,6 +146,64 @@ def extend_logprobs(into: CompletionLogprobs, more: CompletionLogprobs) -> None:
     into.token_logprobs += more.token_logprobs
     into.top_logprobs += more.top_logprobs
     into.text_offset += more.text_offset
+
+
+@dataclass(frozen=True, slots=True)
+class PromptScores:
+    token_logprobs: list[float | None]  # first is None
+    top: list[list[tuple[int, float]] | None]
+
+
+def choice_piece(request: CompletionRequest, prompt_ids: list[int], choice: ChoiceState, delta: SequenceOutput,
+                 namer: TokenNamer, stride: int, scores: PromptScores | None) -> CompletionChoice | None:
+    """Apply one engine delta to ``choice``; the choice's piece of the chunk to send (None: nothing
+    to send yet). The first piece carries echo, prompt logprobs and prompt token ids."""
+    first = not choice.started
+    choice.started = True
+    text = choice.advance(delta)
+    if request.use_beam_search:
+        choice.beam_score = delta.cumulative_logprob
+    logprobs: CompletionLogprobs | None = None
+    prompt_lps = None
+    loglikelihood = None
+    if first and scores is not None:
+        if request.prompt_logprobs is not None:
+            prompt_lps = vllm_prompt_logprobs(namer, prompt_ids, scores.token_logprobs, scores.top)
+        if request.loglikelihood:
+            loglikelihood, _ = legacy_logprobs(namer, prompt_ids[1:], scores.token_logprobs[1:],
+                                               scores.top[1:], request.logprobs or 0, 0)
+    if first and request.echo:
+        if request.logprobs is not None and scores is not None:
+            logprobs, choice.offset = legacy_logprobs(namer, prompt_ids, scores.token_logprobs,
+                                                      scores.top, request.logprobs, 0)
+        else:
+            choice.offset = len(choice.echo_text)
+        text = choice.echo_text + text
+    if request.logprobs is not None and delta.logprobs is not None and delta.token_ids:
+        generated, choice.offset = legacy_logprobs(namer, delta.token_ids, list(delta.logprobs),
+                                                   delta.top_logprobs, request.logprobs, choice.offset)
+        if logprobs is None:
+            logprobs = generated
+        else:
+            extend_logprobs(logprobs, generated)
+    if not text and logprobs is None and not choice.finished and not first:
+        return None
+    out = CompletionChoice(
+        text=text,
+        index=choice.prompt_index * stride + choice.seq_index,
+        logprobs=logprobs,
+        finish_reason=choice.finish_reason if choice.finished else None,  # type: ignore[arg-type]
+        stop_reason=choice.stop_reason if choice.finished else None,
+    )
+    if prompt_lps is not None:
+        out.prompt_logprobs = prompt_lps
+    if loglikelihood is not None:
+        out.loglikelihood = loglikelihood
+    if request.return_token_ids:
+        if first:
+            out.prompt_token_ids = prompt_ids
+        out.token_ids = list(delta.token_ids)
+    return out
 
 
 class ChoiceMerger:

@@ -23,32 +23,19 @@ from msgspec import UNSET
 
 from trtserver import params
 from trtserver.bad_words import bad_words_factory
-from trtserver.choices import (
-    ChoiceMerger,
-    ChoiceState,
-    TokenNamer,
-    extend_logprobs,
-    legacy_logprobs,
-    vllm_prompt_logprobs,
-)
+from trtserver.choices import ChoiceMerger, ChoiceState, PromptScores, TokenNamer, choice_piece
 from trtserver.config import ServerConfig
 from trtserver.engine.base import DeltaSink, Engine, GenerationRequest, GuidedDecoder, SequenceOutput
 from trtserver.errors import InvalidRequest, Overloaded, Unsupported
 from trtserver.guided import GuideContext, GuideSpec, guide_spec_from_request
 from trtserver.plugins import await_me_maybe
-from trtserver.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
+from trtserver.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from trtserver.quota import MemoryQuotaStore, QuotaStore, decide_tier
 from trtserver.request_context import RequestContext
 from trtserver.streams import merge_streams
 from trtserver.text import IncrementalDecoder, StopChecker, StopStrings, TextStream
 
 log = structlog.get_logger("trtserver.serving")
-
-
-@dataclass(frozen=True, slots=True)
-class PromptScores:
-    token_logprobs: list[float | None]  # first is None
-    top: list[list[tuple[int, float]] | None]
 
 
 @dataclass(slots=True)
@@ -242,7 +229,8 @@ class CompletionService:
             choice = choices.get((prompt_index, delta.index))
             if choice is None or choice.finished:
                 return None, False
-            piece = self._chunk_choice(prepared, choice, delta, namer, stride, prompt_scores.get(prompt_index))
+            piece = choice_piece(request, prepared.prompts[prompt_index].token_ids, choice, delta, namer, stride,
+                                 prompt_scores.get(prompt_index))
             if choice.finished and delta.finish_reason is None:  # we stopped it (stop string): free it now
                 self.engine.abort(prepared.engine_requests[prompt_index].request_id, delta.index)
             if piece is None:
@@ -312,57 +300,6 @@ class CompletionService:
         """Every prompt's engine stream, interleaved as deltas arrive (``max_tokens=0`` too: engines
         answer it with an empty "length" delta per sequence, after their own checks)."""
         return merge_streams([self.engine.generate(r) for r in prepared.engine_requests])
-
-    def _chunk_choice(self, prepared: Prepared, choice: ChoiceState, delta: SequenceOutput,
-                      namer: TokenNamer, stride: int, scores: PromptScores | None) -> CompletionChoice | None:
-        request = prepared.request
-        prompt = prepared.prompts[choice.prompt_index]
-        first = not choice.started
-        choice.started = True
-        text = choice.advance(delta)
-        if request.use_beam_search:
-            choice.beam_score = delta.cumulative_logprob
-        logprobs: CompletionLogprobs | None = None
-        prompt_lps = None
-        loglikelihood = None
-        if first and scores is not None:
-            if request.prompt_logprobs is not None:
-                prompt_lps = vllm_prompt_logprobs(namer, prompt.token_ids, scores.token_logprobs, scores.top)
-            if request.loglikelihood:
-                loglikelihood, _ = legacy_logprobs(namer, prompt.token_ids[1:], scores.token_logprobs[1:],
-                                                   scores.top[1:], request.logprobs or 0, 0)
-        if first and request.echo:
-            if request.logprobs is not None and scores is not None:
-                logprobs, choice.offset = legacy_logprobs(namer, prompt.token_ids, scores.token_logprobs,
-                                                          scores.top, request.logprobs, 0)
-            else:
-                choice.offset = len(choice.echo_text)
-            text = choice.echo_text + text
-        if request.logprobs is not None and delta.logprobs is not None and delta.token_ids:
-            generated, choice.offset = legacy_logprobs(namer, delta.token_ids, list(delta.logprobs),
-                                                       delta.top_logprobs, request.logprobs, choice.offset)
-            if logprobs is None:
-                logprobs = generated
-            else:
-                extend_logprobs(logprobs, generated)
-        if not text and logprobs is None and not choice.finished and not first:
-            return None
-        out = CompletionChoice(
-            text=text,
-            index=choice.prompt_index * stride + choice.seq_index,
-            logprobs=logprobs,
-            finish_reason=choice.finish_reason if choice.finished else None,  # type: ignore[arg-type]
-            stop_reason=choice.stop_reason if choice.finished else None,
-        )
-        if prompt_lps is not None:
-            out.prompt_logprobs = prompt_lps
-        if loglikelihood is not None:
-            out.loglikelihood = loglikelihood
-        if request.return_token_ids:
-            if first:
-                out.prompt_token_ids = prompt.token_ids
-            out.token_ids = list(delta.token_ids)
-        return out
 
     def _chunk(self, prepared: Prepared, choices: list[CompletionChoice], usage: Usage | None) -> CompletionResponse:
         return CompletionResponse(id=prepared.response_id, created=prepared.created, model=self.model_name,
