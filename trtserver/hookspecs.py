@@ -58,13 +58,13 @@ def trtserver_register_engines(register: Callable[[str, Callable[[ServerConfig],
 
     Two methods are optional on an engine. ``check(request)`` lists ``(param, reason)`` pairs the
     engine must refuse for a request (the client gets a 400 naming the first). With
-    ``push_to(request_id, sink)``, the server offers the engine a ``DeltaSink`` once a streaming
+    ``push_to(request_id, sink)``, the server offers the engine a sink once a streaming
     request's first chunk is out (for one-prompt requests, when no plugin needs the joined
     response). The engine may then hand a delta straight to the sink, from the event loop, while
-    the request's ``generate`` iterator waits with nothing queued. A delta the sink declines
-    (returns False) goes to the iterator as usual. ``push_to`` returns a function that ends the
-    iterator early, or None. The built-in PyTorch engine does this, so a streamed token costs no
-    task switch.
+    the request's ``generate`` iterator waits with nothing queued. The sink is a
+    ``trtserver.engine.base.DeltaSink``; a delta it declines (returns False) goes to the iterator
+    as usual. ``push_to`` returns a function that ends the iterator early, or None. The built-in
+    PyTorch engine does this, so a streamed token costs no task switch.
     """
 
 
