@@ -231,6 +231,10 @@ class TorchEngine:
 
             self.lora = LoraManager(self.adapters, model.args, dtype, self.device)
             self.lora.install(model)
+        elif self.quantize is not None:
+            from trtserver.engine.torch.scripted import build
+
+            model.scripted = build(model)
         self.core = EngineCore(model, num_slots=self.config.max_batch_size, max_len=self.max_model_len,
                                chunk_size=self.config.prefill_chunk_size, eos_token_ids=self._info.eos_token_ids,
                                device=self.device, seed=self.seed, small_batch=self._small_batch(dtype),

@@ -17,12 +17,16 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trtserver.engine.torch.cache import KVCache
+
+if TYPE_CHECKING:
+    from trtserver.engine.torch.scripted import ScriptedDecode
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +224,7 @@ class Transformer(nn.Module):
         self.rope_cos: Tensor | None = None
         self.rope_sin: Tensor | None = None
         self.kernels = KernelSwitch()
+        self.scripted: ScriptedDecode | None = None  # small decode batches through the layers (scripted.py)
 
     def setup_rope(self, max_len: int) -> None:
         """Precompute cos and signed sin (``apply_rope``) for positions 0..max_len (the last one is
@@ -237,8 +242,11 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)  # (B, T, dim)
         cos = self.rope_cos[ctx.pos].unsqueeze(2)  # (B, T, 1, hs)
         sin = self.rope_sin[ctx.pos].unsqueeze(2)
-        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-            x = layer.forward(x, cos, sin, k_cache, v_cache, ctx)
+        if ctx.small and self.scripted is not None and tokens.shape[1] == 1:
+            x = self.scripted(x, cos, sin, cache.k, cache.v, ctx)
+        else:
+            for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
+                x = layer.forward(x, cos, sin, k_cache, v_cache, ctx)
         return self.norm(x)
 
     def logits(self, hidden: Tensor) -> Tensor:
