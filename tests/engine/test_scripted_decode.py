@@ -1,6 +1,7 @@
-"""The scripted small-batch decode (``scripted.py``) against the eager layers it stands in for: the same
-hidden states and the same K/V written, bit for bit, on the real SmolLM2 in int4 and on a tiny Qwen2
-(q/k/v biases) in int8; and the models it must leave to the eager layers."""
+"""The scripted decode (``scripted.py``) against the eager layers it stands in for: the same hidden
+states and the same K/V written, bit for bit, on both of its paths (small batches with int4 / int8
+projections; larger batches and unquantized models with pre-packed ones), on the real SmolLM2 and on
+tiny Llama / Qwen2 (q/k/v biases) checkpoints; and the models it must leave to the eager layers."""
 
 from __future__ import annotations
 
@@ -22,39 +23,40 @@ SLOTS, MAX_LEN = 6, 96
 
 
 def _filled_cache(model: Transformer) -> KVCache:
-    a = model.args
-    cache = KVCache(a.n_layers, SLOTS, a.n_kv_heads, MAX_LEN, a.head_dim, torch.bfloat16, torch.device("cpu"))
+    a, dtype = model.args, model.tok_embeddings.weight.dtype
+    cache = KVCache(a.n_layers, SLOTS, a.n_kv_heads, MAX_LEN, a.head_dim, dtype, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     for t in (*cache.k, *cache.v):  # earlier tokens' keys and values for attention to read
         t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
     return cache
 
 
-def _decode_ctx(slots: list[int], positions: list[int]) -> ForwardContext:
+def _decode_ctx(slots: list[int], positions: list[int], cache: KVCache, *, small: bool) -> ForwardContext:
+    """As ``EngineCore._decode`` builds it."""
     B = len(slots)
     pos = torch.tensor(positions).unsqueeze(1)
     length = attention_length(max(positions) + 1)
     mask = (torch.arange(length) <= pos).view(B, 1, 1, length)
     first = slots[0]
     start = first if slots == list(range(first, first + B)) else None
-    return ForwardContext(pos, torch.tensor(slots), start, length, mask, small=True)
+    dense = cache.dense if cache.k[0].dtype == torch.bfloat16 else None
+    return ForwardContext(pos, torch.tensor(slots), start, length, mask, dense=dense, small=small)
 
 
-def _both_ways(model: Transformer, slots: list[int], positions: list[int]) -> None:
+def _both_ways(model: Transformer, slots: list[int], positions: list[int], *, small: bool) -> None:
     fast = model.scripted
-    assert fast is not None
+    assert fast is not None and fast.covers(small)
     tokens = torch.tensor([[7 + 3 * i] for i in range(len(slots))])
     eager_cache, script_cache = _filled_cache(model), _filled_cache(model)
     with torch.inference_mode():
         model.scripted = None
-        want = model(tokens, _decode_ctx(slots, positions), eager_cache)
+        want = model(tokens, _decode_ctx(slots, positions, eager_cache, small=small), eager_cache)
         model.scripted = fast
-        got = model(tokens, _decode_ctx(slots, positions), script_cache)
+        got = model(tokens, _decode_ctx(slots, positions, script_cache, small=small), script_cache)
     assert torch.equal(got, want)
     for mine, theirs in zip((*script_cache.k, *script_cache.v), (*eager_cache.k, *eager_cache.v), strict=True):
         assert torch.equal(mine, theirs)  # every layer's K/V written at the same rows, with the same bits
-    # and they did write: the scripted path is not a copy of the eager one's inputs
-    assert not torch.equal(script_cache.k[0], _filled_cache(model).k[0])
+    assert not torch.equal(script_cache.k[0], _filled_cache(model).k[0])  # and written they were
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +68,18 @@ def smol_int4(smol_dir: Path) -> Transformer:
     return model
 
 
-@pytest.mark.parametrize(("slots", "positions"), [
+CASES = [
     ([0], [5]),  # one row
-    ([1, 2, 3], [40, 3, 17]),  # consecutive slots: the cache read through a view; rows of other lengths masked
+    ([1, 2, 3], [40, 3, 17]),  # consecutive slots: the cache read through a view; shorter rows masked
     ([4, 0], [20, 33]),  # scattered slots: the keys gathered
-])
-def test_int4_smollm2_scripted_decode_is_the_eager_one(smol_int4: Transformer, slots: list[int],
-                                                       positions: list[int]) -> None:
-    assert isinstance(smol_int4.scripted, scripted.ScriptedDecode)
-    _both_ways(smol_int4, slots, positions)
+]
+
+
+@pytest.mark.parametrize("small", [True, False], ids=["small-int4", "batch-packed"])
+@pytest.mark.parametrize(("slots", "positions"), CASES)
+def test_smollm2_int4_scripted_decode_is_the_eager_one(smol_int4: Transformer, slots: list[int],
+                                                       positions: list[int], small: bool) -> None:
+    _both_ways(smol_int4, slots, positions, small=small)
 
 
 def test_int8_with_qkv_biases_is_the_eager_one(tmp_path: Path) -> None:
@@ -84,40 +89,51 @@ def test_int8_with_qkv_biases_is_the_eager_one(tmp_path: Path) -> None:
     model.setup_rope(MAX_LEN)
     assert model.layers[0].attention.wqkv.bias is not None  # type: ignore[union-attr]
     model.scripted = scripted.build(model)
-    _both_ways(model, [2, 0], [9, 30])
-    _both_ways(model, [0, 1], [9, 30])
+    for small in (True, False):
+        _both_ways(model, [2, 0], [9, 30], small=small)
+        _both_ways(model, [0, 1], [9, 30], small=small)
 
 
-def test_prefill_and_large_batches_keep_the_eager_layers(smol_int4: Transformer, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_unquantized_models_script_only_the_batch_path(tmp_path: Path, dtype: torch.dtype) -> None:
+    make_checkpoint(tmp_path, "llama")
+    model = load_model(tmp_path, dtype, torch.device("cpu"))
+    pack_for_cpu(model)
+    model.setup_rope(MAX_LEN)
+    model.scripted = scripted.build(model)
+    assert model.scripted is not None and not model.scripted.covers(True)  # no small-batch kernels here
+    _both_ways(model, [1, 2, 3], [40, 3, 17], small=False)
+    _both_ways(model, [3, 0, 5], [40, 3, 17], small=False)
+
+
+def test_prefill_keeps_the_eager_layers(smol_int4: Transformer, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     def refuse(*args: object) -> torch.Tensor:
         raise AssertionError("the scripted decode ran")
 
-    monkeypatch.setattr(smol_int4.scripted, "_fn", refuse)
+    assert smol_int4.scripted is not None
+    monkeypatch.setattr(smol_int4.scripted, "_small", refuse)
+    monkeypatch.setattr(smol_int4.scripted, "_batch", refuse)
     cache = _filled_cache(smol_int4)
     with torch.inference_mode():
-        big = _decode_ctx([0, 1, 2, 3, 4], [3, 3, 3, 3, 3])
-        big.small = False
-        smol_int4(torch.ones(5, 1, dtype=torch.long), big, cache)
         pos = torch.arange(4).unsqueeze(0)
-        smol_int4(torch.ones(1, 4, dtype=torch.long),
-                  ForwardContext(pos, torch.tensor([0]), 0, 4, None, causal=True), cache)
+        smol_int4(torch.ones(1, 4, dtype=torch.long), ForwardContext(pos, torch.tensor([0]), 0, 4, None, causal=True),
+                  cache)
+        with pytest.raises(AssertionError, match="scripted decode ran"):  # while a decode does take it
+            smol_int4(torch.ones(1, 1, dtype=torch.long), _decode_ctx([0], [4], cache, small=True), cache)
 
 
-def test_only_all_int4_or_all_int8_projections_are_scripted(smol_dir: Path, tmp_path: Path) -> None:
+def test_wrapped_projections_are_left_to_the_eager_layers(tmp_path: Path) -> None:
     make_checkpoint(tmp_path, "llama")
-    plain = load_model(tmp_path, torch.bfloat16, torch.device("cpu"))
-    pack_for_cpu(plain)
-    assert scripted.build(plain) is None  # unquantized: the bfloat16 GEMMs, no small-batch kernels
-    wrapped = load_model(tmp_path, torch.bfloat16, torch.device("cpu"))
-    quantize_weights(wrapped, "int8")
+    model = load_model(tmp_path, torch.bfloat16, torch.device("cpu"))
+    quantize_weights(model, "int8")
 
     class Wrapper(nn.Module):  # what LoRA does to a projection
         def __init__(self, inner: nn.Module) -> None:
             super().__init__()
             self.inner = inner
 
-    wrapped.layers[1].feed_forward.w2 = Wrapper(wrapped.layers[1].feed_forward.w2)  # type: ignore[union-attr]
-    assert scripted.build(wrapped) is None
+    model.layers[1].feed_forward.w2 = Wrapper(model.layers[1].feed_forward.w2)  # type: ignore[union-attr]
+    assert scripted.build(model) is None
 
 
 def test_no_torchscript_leaves_the_eager_layers(tmp_path: Path, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]

@@ -224,7 +224,7 @@ class Transformer(nn.Module):
         self.rope_cos: Tensor | None = None
         self.rope_sin: Tensor | None = None
         self.kernels = KernelSwitch()
-        self.scripted: ScriptedDecode | None = None  # small decode batches through the layers (scripted.py)
+        self.scripted: ScriptedDecode | None = None  # decode steps through the layers, CPU (scripted.py)
 
     def setup_rope(self, max_len: int) -> None:
         """Precompute cos and signed sin (``apply_rope``) for positions 0..max_len (the last one is
@@ -242,7 +242,7 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)  # (B, T, dim)
         cos = self.rope_cos[ctx.pos].unsqueeze(2)  # (B, T, 1, hs)
         sin = self.rope_sin[ctx.pos].unsqueeze(2)
-        if ctx.small and self.scripted is not None and tokens.shape[1] == 1:
+        if self.scripted is not None and tokens.shape[1] == 1 and self.scripted.covers(ctx.small):
             x = self.scripted(x, cos, sin, cache.k, cache.v, ctx)
         else:
             for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):

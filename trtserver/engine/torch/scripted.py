@@ -1,21 +1,27 @@
-"""The small-batch decode through every layer as one TorchScript function (CPU, quantized weights).
+"""Decode steps through every layer as one TorchScript function (CPU).
 
-A one-row decode step runs ~40 ATen calls per layer on a few hundred numbers each, and on a 2-core
-CPU the Python that issues them cost more than the kernels besides the four projections: a
-layer took ~370 µs in eager mode, ~270 µs from TorchScript's interpreter (the same ops on the
-same tensors, so the same bits). This module runs exactly the eager small-batch path of
-``model.py`` (float32 RMSNorm and SDPA, the int4 / int8 weight-only projections of
-``cpu_weights.py``), laid out flat: one list entry per layer and projection.
+A decode step runs ~40 ATen calls per layer on small tensors, and on a 2-core CPU the Python that
+issues them cost as much as the kernels besides the projections. TorchScript's interpreter issues
+the same calls on the same tensors, so the results are the same bits, for less: one row took
+14.05 → 11.3 ms a step, sixteen rows 46 → 33 ms (bench/RESULTS.md, seventh session).
 
-TorchScript is deprecated in recent torch releases. Where ``torch.jit.script`` is missing or fails,
-``build`` returns None and the eager layers run, as they do for LoRA, unquantized and CUDA models.
+Two functions, one per eager decode path of ``model.py``:
+- ``_small_decode``: batches of up to ``SMALL_BATCH`` rows with int4 / int8 weight-only projections
+  (``cpu_weights.py``), float32 RMSNorm and SDPA;
+- ``_batch_decode``: larger batches, and every decode of a model without the small-batch kernels
+  (float32, unquantized), through oneDNN's pre-packed projections and the bmm attention (the K/V
+  copied into the dense buffers first, for bfloat16).
+
+Prefill stays eager (its GEMMs dwarf the calls), and so does any model these do not fit: LoRA wraps
+the projections, CUDA has its graphs. TorchScript is deprecated in recent torch releases: where
+``torch.jit.script`` is missing or fails, the eager layers run.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -26,13 +32,18 @@ if TYPE_CHECKING:
 
     from torch import nn
 
-    from trtserver.engine.torch.cpu_weights import Int4Linear, Int8Linear
     from trtserver.engine.torch.model import Block, ForwardContext, Transformer
 
 log = logging.getLogger(__name__)
 
+_NO_SCALARS = list[Union[int, float, complex] | None]  # noqa: UP007 - how TorchScript spells Scalar?[]
 
-def _project(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, int4: bool) -> Tensor:
+
+def _norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return F.rms_norm(x.float(), [x.shape[-1]], None, eps).to(x.dtype) * weight
+
+
+def _quantized(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, int4: bool) -> Tensor:
     if int4:
         y = torch._weight_int4pack_mm_for_cpu(x, weight, 32, scales)
     else:
@@ -42,106 +53,167 @@ def _project(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, int
     return y
 
 
-def _norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return F.rms_norm(x.float(), [x.shape[-1]], None, eps).to(x.dtype) * weight
+def _packed(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    none: _NO_SCALARS = []
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", none, "")
 
 
-def _decode_layers(x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
-                   rows: Tensor, slots: Tensor, slot_start: int, length: int, mask: Tensor | None,
-                   norms: list[Tensor], weights: list[Tensor], scales: list[Tensor], biases: list[Tensor | None],
-                   int4: bool, eps: float, n_heads: int, n_kv_heads: int, head_dim: int) -> Tensor:
-    """``x`` (B, dim) bfloat16, one token per row; ``cos``/``sin`` (B, 1, head_dim). Entry ``4 i + j``
-    of the weight lists is layer i's wqkv, wo, w13, w2 (j = 0..3); ``norms[2 i]``, ``norms[2 i + 1]``
-    its attention and feed-forward norms. Writes each layer's K and V at ``rows`` of its cache."""
+def _rope_and_cache(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor,
+                    n_heads: int, n_kv_heads: int, head_dim: int) -> Tensor:
+    """Rotates q and k (``model.apply_rope``), writes k and v at ``rows`` of the caches; returns q (B, nh, hs)."""
+    B = qkv.shape[0]
+    nh, nkv, hs = n_heads, n_kv_heads, head_dim
+    qk, v = qkv.split([(nh + nkv) * hs, nkv * hs], dim=-1)
+    qk = qk.view(B, nh + nkv, hs)
+    qk = qk * cos + qk.roll(hs // 2, -1) * sin
+    q, k = qk.split([nh, nkv], dim=1)
+    k_cache.view(-1, hs).index_copy_(0, rows, k.reshape(-1, hs))
+    v_cache.view(-1, hs).index_copy_(0, rows, v.reshape(-1, hs))
+    return q
+
+
+def _live(cache: Tensor, slots: Tensor, slot_start: int, rows: int, length: int) -> Tensor:
+    """The batch's slots, first ``length`` positions: a view where the slots are consecutive."""
+    if slot_start >= 0:
+        return cache[slot_start:slot_start + rows, :, :length]
+    return cache.index_select(0, slots)[:, :, :length]
+
+
+def _small_decode(x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
+                  rows: Tensor, slots: Tensor, slot_start: int, length: int, mask: Tensor | None,
+                  norms: list[Tensor], weights: list[Tensor], scales: list[Tensor], biases: list[Tensor | None],
+                  int4: bool, eps: float, n_heads: int, n_kv_heads: int, head_dim: int) -> Tensor:
+    """``x`` (B, dim), one token per row; ``cos``/``sin`` (B, 1, head_dim); ``mask`` additive float32.
+    Entry ``4 i + j`` of the weight lists is layer i's wqkv, wo, w13, w2 (j = 0..3); ``norms[2 i]``,
+    ``norms[2 i + 1]`` its attention and feed-forward norms."""
     B = x.shape[0]
     nh, nkv, hs = n_heads, n_kv_heads, head_dim
     for i in range(len(k_caches)):
-        k_cache, v_cache = k_caches[i], v_caches[i]
         w = 4 * i
-        h = _norm(x, norms[2 * i], eps)
-        qkv = _project(h, weights[w], scales[w], biases[w], int4)
-        qk, v = qkv.split([(nh + nkv) * hs, nkv * hs], dim=-1)
-        qk = qk.view(B, nh + nkv, hs)
-        qk = qk * cos + qk.roll(hs // 2, -1) * sin  # model.apply_rope
-        q, k = qk.split([nh, nkv], dim=1)
-        k_cache.view(-1, hs).index_copy_(0, rows, k.reshape(-1, hs))
-        v_cache.view(-1, hs).index_copy_(0, rows, v.reshape(-1, hs))
-        if slot_start >= 0:
-            keys = k_cache[slot_start:slot_start + B, :, :length]
-            values = v_cache[slot_start:slot_start + B, :, :length]
-        else:
-            keys = k_cache.index_select(0, slots)[:, :, :length]
-            values = v_cache.index_select(0, slots)[:, :, :length]
+        qkv = _quantized(_norm(x, norms[2 * i], eps), weights[w], scales[w], biases[w], int4)
+        q = _rope_and_cache(qkv, cos, sin, k_caches[i], v_caches[i], rows, nh, nkv, hs)
+        keys = _live(k_caches[i], slots, slot_start, B, length)
+        values = _live(v_caches[i], slots, slot_start, B, length)
         y = F.scaled_dot_product_attention(q.view(B, nh, 1, hs).float(), keys.float(), values.float(),
                                            attn_mask=mask, enable_gqa=nh != nkv).to(x.dtype)
-        x = x + _project(y.view(B, nh * hs), weights[w + 1], scales[w + 1], biases[w + 1], int4)
-        h = _norm(x, norms[2 * i + 1], eps)
-        gate, up = _project(h, weights[w + 2], scales[w + 2], biases[w + 2], int4).chunk(2, dim=-1)
-        x = x + _project(F.silu(gate) * up, weights[w + 3], scales[w + 3], biases[w + 3], int4)
+        x = x + _quantized(y.view(B, nh * hs), weights[w + 1], scales[w + 1], biases[w + 1], int4)
+        gate, up = _quantized(_norm(x, norms[2 * i + 1], eps), weights[w + 2], scales[w + 2], biases[w + 2],
+                              int4).chunk(2, dim=-1)
+        x = x + _quantized(F.silu(gate) * up, weights[w + 3], scales[w + 3], biases[w + 3], int4)
+    return x
+
+
+def _batch_decode(x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
+                  rows: Tensor, slots: Tensor, slot_start: int, length: int, mask: Tensor | None,
+                  dense_k: Tensor | None, dense_v: Tensor | None, norms: list[Tensor], weights: list[Tensor],
+                  biases: list[Tensor | None], eps: float, n_heads: int, n_kv_heads: int, head_dim: int) -> Tensor:
+    """As ``_small_decode``, with pre-packed weights; ``mask`` boolean (B, 1, 1, length), True = attend;
+    ``dense_k``/``dense_v`` the flat buffers the live K/V are copied into (bfloat16), or None."""
+    B = x.shape[0]
+    nh, nkv, hs = n_heads, n_kv_heads, head_dim
+    scale = hs ** -0.5
+    for i in range(len(k_caches)):
+        w = 4 * i
+        qkv = _packed(_norm(x, norms[2 * i], eps), weights[w], biases[w])
+        q = _rope_and_cache(qkv, cos, sin, k_caches[i], v_caches[i], rows, nh, nkv, hs)
+        keys = _live(k_caches[i], slots, slot_start, B, length)
+        values = _live(v_caches[i], slots, slot_start, B, length)
+        if slot_start >= 0 and dense_k is not None and dense_v is not None:
+            n = keys.numel()
+            keys = dense_k[:n].view(keys.shape).copy_(keys)
+            values = dense_v[:n].view(values.shape).copy_(values)
+        scores = (q.reshape(B, nkv, nh // nkv, hs) @ keys.transpose(-1, -2)).float() * scale
+        if mask is not None:
+            scores.masked_fill_(~mask, float("-inf"))
+        y = scores.softmax(dim=-1).to(values.dtype) @ values  # (B, nkv, g, hs)
+        x = x + _packed(y.reshape(B, nh * hs), weights[w + 1], biases[w + 1])
+        gate, up = _packed(_norm(x, norms[2 * i + 1], eps), weights[w + 2], biases[w + 2]).chunk(2, dim=-1)
+        x = x + _packed(F.silu(gate) * up, weights[w + 3], biases[w + 3])
     return x
 
 
 class ScriptedDecode:
-    """What ``Transformer.forward`` calls for a small decode batch instead of its layers."""
+    """What ``Transformer.forward`` calls for a decode step instead of its layers, where it ``covers``
+    the step's path (small batch or not)."""
 
-    def __init__(self, model: Transformer, fn: Callable[..., Tensor], kind: str) -> None:
+    def __init__(self, model: Transformer, small: Callable[..., Tensor] | None, batch: Callable[..., Tensor] | None,
+                 int4: bool) -> None:
         args = model.args
-        layers = cast("list[Block]", list(model.layers))
-        self._fn = fn
-        self._int4 = kind == "int4"
-        self._norms = [t for layer in layers for t in (layer.attention_norm.weight, layer.ffn_norm.weight)]
+        layers = _blocks(model)
         projections = [p for layer in layers for p in _projections(layer)]
-        if self._int4:
-            int4 = cast("list[Int4Linear]", projections)
-            self._weights = [p.packed for p in int4]
-            self._scales = [p.scales_zeros for p in int4]
-        else:
-            int8 = cast("list[Int8Linear]", projections)
-            self._weights = [p.q for p in int8]
-            self._scales = [p.scale for p in int8]
-        self._biases: list[Tensor | None] = [cast("Tensor | None", getattr(p, "bias", None)) for p in projections]
-        self._eps = layers[0].attention_norm.eps
+        self._small, self._batch, self._int4 = small, batch, int4
+        self._norms = [t for layer in layers for t in (layer.attention_norm.weight, layer.ffn_norm.weight)]
+        self._biases = [cast("Tensor | None", getattr(p, "bias", None)) for p in projections]
+        # small: the quantized weights and their scales; batch: the pre-packed ones (a quantized
+        # projection keeps its packed copy as ``dense``)
+        quantized = [(p.packed, p.scales_zeros) if int4 else (p.q, p.scale) for p in projections] \
+            if small is not None else []
+        self._quantized = [w for w, _ in quantized]
+        self._scales = [s for _, s in quantized]
+        self._packed = [getattr(p, "dense", p).packed for p in projections] if batch is not None else []
+        self._eps: float = layers[0].attention_norm.eps
         self._heads = (args.n_heads, args.n_kv_heads, args.head_dim)
+
+    def covers(self, small: bool) -> bool:
+        return (self._small if small else self._batch) is not None
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
                  ctx: ForwardContext) -> Tensor:
         """``x`` (B, 1, dim) and ``cos``/``sin`` (B, 1, 1, head_dim), as the eager layers take them."""
         B, _, dim = x.shape
-        mask = ctx.additive_mask()
-        slot_start = -1 if ctx.slot_start is None else ctx.slot_start
+        x2, cos2, sin2 = x.view(B, dim), cos.view(B, 1, -1), sin.view(B, 1, -1)
+        rows, slot_start = ctx.cache_rows(k_caches[0]), -1 if ctx.slot_start is None else ctx.slot_start
         # unoptimized: the profiling executor's first call took ~50 ms and new batch shapes re-profiled,
         # for graphs it cannot fuse on the CPU anyway (steady steps: 8.9-9.1 ms either way)
         with torch.jit.optimized_execution(False):
-            y = self._fn(x.view(B, dim), cos.view(B, 1, -1), sin.view(B, 1, -1), k_caches, v_caches,
-                         ctx.cache_rows(k_caches[0]), ctx.slots, slot_start, ctx.length, mask, self._norms,
-                         self._weights, self._scales, self._biases, self._int4, self._eps, *self._heads)
+            if ctx.small:
+                assert self._small is not None
+                y = self._small(x2, cos2, sin2, k_caches, v_caches, rows, ctx.slots, slot_start, ctx.length,
+                                ctx.additive_mask(), self._norms, self._quantized, self._scales, self._biases,
+                                self._int4, self._eps, *self._heads)
+            else:
+                assert self._batch is not None
+                dense_k, dense_v = ctx.dense if ctx.dense is not None else (None, None)
+                y = self._batch(x2, cos2, sin2, k_caches, v_caches, rows, ctx.slots, slot_start, ctx.length,
+                                ctx.mask, dense_k, dense_v, self._norms, self._packed, self._biases, self._eps,
+                                *self._heads)
         return y.view(B, 1, dim)
+
+
+def _blocks(model: Transformer) -> list[Block]:
+    return cast("list[Block]", list(model.layers))
 
 
 def _projections(layer: Block) -> tuple[nn.Module, ...]:
     return (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2)
 
 
-def build(model: Transformer) -> ScriptedDecode | None:
-    """The scripted small-batch decode for ``model``, or None where it does not apply: projections
-    that are not all int4 or all int8 (unquantized, LoRA-wrapped), or no working TorchScript."""
-    from trtserver.engine.torch.cpu_weights import Int4Linear, Int8Linear
-
-    kinds = {type(p) for layer in cast("list[Block]", list(model.layers)) for p in _projections(layer)}
-    if kinds == {Int4Linear}:
-        kind = "int4"
-    elif kinds == {Int8Linear}:
-        kind = "int8"
-    else:
-        return None
+def _script(fn: Callable[..., Tensor]) -> Callable[..., Tensor] | None:
     script = getattr(torch.jit, "script", None)
     if script is None:
         return None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # deprecated, not gone: see the module's text
-            fn = script(_decode_layers)
+            return cast("Callable[..., Tensor]", script(fn))
     except Exception:  # noqa: BLE001 - any TorchScript failure leaves the eager layers in charge
-        log.warning("TorchScript could not compile the small-batch decode; the eager layers run it", exc_info=True)
+        log.warning("TorchScript could not compile %s; the eager layers run it", fn.__name__, exc_info=True)
         return None
-    return ScriptedDecode(model, fn, kind)
+
+
+def build(model: Transformer) -> ScriptedDecode | None:
+    """The scripted decode for ``model`` (CPU), or None where neither path fits: the small-batch one
+    needs every projection int4, or every one int8; the batch one every projection pre-packed
+    (``PackedLinear``, or quantized with a packed copy). LoRA's wrapped projections fit neither."""
+    from trtserver.engine.torch.cpu_weights import Int4Linear, Int8Linear, PackedLinear
+
+    projections = [p for layer in _blocks(model) for p in _projections(layer)]
+    kinds = {type(p) for p in projections}
+    int4 = kinds == {Int4Linear}
+    small = _script(_small_decode) if int4 or kinds == {Int8Linear} else None
+    packed = all(isinstance(getattr(p, "dense", p), PackedLinear) for p in projections) \
+        and kinds <= {PackedLinear, Int4Linear, Int8Linear}
+    batch = _script(_batch_decode) if packed else None
+    if small is None and batch is None:
+        return None
+    return ScriptedDecode(model, small, batch, int4)
