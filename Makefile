@@ -24,6 +24,8 @@ $(VENV)/.installed: pyproject.toml $(PLUGINS)
 
 engines: install
 	$(VENV)/bin/trtserver build $(if $(MODEL),--model "$(MODEL)") $(if $(NAME),--name "$(NAME)")
+	@# the fused CPU kernels, compiled once here (~30 s) so that start-up only loads them; optional
+	-@$(PY) -m trtserver.engine.torch.kernels
 
 serve: engines
 	$(VENV)/bin/trtserver serve $(ENGINE_DIR) --host $(HOST) --port $(PORT)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from bench.prompts import LONG
+from trtserver.engine.torch import scripted
 from trtserver.engine.torch.core import attention_length
 from trtserver.engine.torch.engine import TorchEngine
 from trtserver.engine.torch.model import ForwardContext
@@ -59,8 +60,14 @@ def main() -> None:
     print("| path | perplexity | top-1 = float32's | largest logprob difference from float32 |")
     print("|---|---:|---:|---:|")
     print(f"| float32 (the GGUF's weights dequantized) | {math.exp(-sum(ref) / n):.3f} | - | - |")
-    for label, small in (("bfloat16 (batches above 4 rows; --batch-invariant)", False),
-                         ("small-batch kernels (float32 attention, int4 + refined head)", True)):
+    fused = engine.core.model.scripted
+    unfused = scripted.build(engine.core.model, fused=False)
+    for label, small, decode in (
+            ("bfloat16 (batches above 4 rows; --batch-invariant)", False, fused),
+            ("small-batch kernels (float32 attention, int4 + refined head), as ATen calls", True, unfused),
+            ("small-batch kernels, through the fused CPU kernels (kernels.cpp; the default where they build)",
+             True, fused)):
+        engine.core.model.scripted = decode
         lps, top = score(engine, ids, small=small)
         agree = sum(a == b for a, b in zip(top, ref_top)) / n
         worst = max(abs(a - b) for a, b in zip(lps, ref))

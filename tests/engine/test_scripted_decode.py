@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from tests.engine.test_model_families import make_checkpoint
 from trtserver.engine.torch import scripted
@@ -43,7 +43,9 @@ def _decode_ctx(slots: list[int], positions: list[int], cache: KVCache, *, small
     return ForwardContext(pos, torch.tensor(slots), start, length, mask, dense=dense, small=small)
 
 
-def _both_ways(model: Transformer, slots: list[int], positions: list[int], *, small: bool) -> None:
+def _run_both(model: Transformer, slots: list[int], positions: list[int], *,
+              small: bool) -> tuple[Tensor, Tensor, KVCache, KVCache]:
+    """(eager hidden, scripted hidden, eager cache, scripted cache) for one decode step."""
     fast = model.scripted
     assert fast is not None and fast.covers(small)
     tokens = torch.tensor([[7 + 3 * i] for i in range(len(slots))])
@@ -53,6 +55,11 @@ def _both_ways(model: Transformer, slots: list[int], positions: list[int], *, sm
         want = model(tokens, _decode_ctx(slots, positions, eager_cache, small=small), eager_cache)
         model.scripted = fast
         got = model(tokens, _decode_ctx(slots, positions, script_cache, small=small), script_cache)
+    return want, got, eager_cache, script_cache
+
+
+def _both_ways(model: Transformer, slots: list[int], positions: list[int], *, small: bool) -> None:
+    want, got, eager_cache, script_cache = _run_both(model, slots, positions, small=small)
     assert torch.equal(got, want)
     for mine, theirs in zip((*script_cache.k, *script_cache.v), (*eager_cache.k, *eager_cache.v), strict=True):
         assert torch.equal(mine, theirs)  # every layer's K/V written at the same rows, with the same bits
@@ -64,7 +71,8 @@ def smol_int4(smol_dir: Path) -> Transformer:
     model = load_model(smol_dir, torch.bfloat16, torch.device("cpu"))
     quantize_weights(model, "int4")
     model.setup_rope(MAX_LEN)
-    model.scripted = scripted.build(model)
+    model.scripted = scripted.build(model, fused=False)  # the same ATen calls as eager: the same bits
+    assert model.scripted is not None and not model.scripted.fused
     return model
 
 
@@ -88,7 +96,7 @@ def test_int8_with_qkv_biases_is_the_eager_one(tmp_path: Path) -> None:
     quantize_weights(model, "int8")
     model.setup_rope(MAX_LEN)
     assert model.layers[0].attention.wqkv.bias is not None  # type: ignore[union-attr]
-    model.scripted = scripted.build(model)
+    model.scripted = scripted.build(model, fused=False)
     for small in (True, False):
         _both_ways(model, [2, 0], [9, 30], small=small)
         _both_ways(model, [0, 1], [9, 30], small=small)

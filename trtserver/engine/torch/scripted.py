@@ -103,6 +103,24 @@ def _small_decode(x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v
     return x
 
 
+def _fused_decode(x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
+                  slots: Tensor, positions: Tensor, norms: list[Tensor], weights: list[Tensor], scales: list[Tensor],
+                  biases: list[Tensor | None], int4: bool, eps: float, n_heads: int, n_kv_heads: int) -> Tensor:
+    """``_small_decode`` with the fused kernels of ``kernels.cpp`` (bfloat16): ``cos``/``sin`` (B, head_dim),
+    each row's K/V slot and position instead of the cache rows, the length and the mask."""
+    for i in range(len(k_caches)):
+        w = 4 * i
+        qkv = _quantized(torch.ops.trtserver.rms_norm(x, norms[2 * i], eps), weights[w], scales[w], biases[w], int4)
+        q = torch.ops.trtserver.rope_cache(qkv, cos, sin, k_caches[i], v_caches[i], slots, positions, n_heads,
+                                           n_kv_heads)
+        y = torch.ops.trtserver.decode_attention(q, k_caches[i], v_caches[i], slots, positions)
+        x = x + _quantized(y, weights[w + 1], scales[w + 1], biases[w + 1], int4)
+        gate_up = _quantized(torch.ops.trtserver.rms_norm(x, norms[2 * i + 1], eps), weights[w + 2], scales[w + 2],
+                             biases[w + 2], int4)
+        x = x + _quantized(torch.ops.trtserver.silu_mul(gate_up), weights[w + 3], scales[w + 3], biases[w + 3], int4)
+    return x
+
+
 def _batch_decode(x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
                   rows: Tensor, slots: Tensor, slot_start: int, length: int, mask: Tensor | None,
                   dense_k: Tensor | None, dense_v: Tensor | None, norms: list[Tensor], weights: list[Tensor],
@@ -137,11 +155,12 @@ class ScriptedDecode:
     the step's path (small batch or not)."""
 
     def __init__(self, model: Transformer, small: Callable[..., Tensor] | None, batch: Callable[..., Tensor] | None,
-                 int4: bool) -> None:
+                 *, int4: bool, fused: bool) -> None:
         args = model.args
         layers = _blocks(model)
         projections = [p for layer in layers for p in _projections(layer)]
         self._small, self._batch, self._int4 = small, batch, int4
+        self.fused = fused  # the small-batch path is _fused_decode
         self._norms = [t for layer in layers for t in (layer.attention_norm.weight, layer.ffn_norm.weight)]
         self._biases = [cast("Tensor | None", getattr(p, "bias", None)) for p in projections]
         # small: the quantized weights and their scales; batch: the pre-packed ones (a quantized
@@ -166,7 +185,12 @@ class ScriptedDecode:
         # unoptimized: the profiling executor's first call took ~50 ms and new batch shapes re-profiled,
         # for graphs it cannot fuse on the CPU anyway (steady steps: 8.9-9.1 ms either way)
         with torch.jit.optimized_execution(False):
-            if ctx.small:
+            if ctx.small and self.fused:
+                assert self._small is not None
+                y = self._small(x2, cos.view(B, -1), sin.view(B, -1), k_caches, v_caches, ctx.slots, ctx.pos.view(-1),
+                                self._norms, self._quantized, self._scales, self._biases, self._int4, self._eps,
+                                *self._heads[:2])
+            elif ctx.small:
                 assert self._small is not None
                 y = self._small(x2, cos2, sin2, k_caches, v_caches, rows, ctx.slots, slot_start, ctx.length,
                                 ctx.additive_mask(), self._norms, self._quantized, self._scales, self._biases,
@@ -201,7 +225,7 @@ def _script(fn: Callable[..., Tensor]) -> Callable[..., Tensor] | None:
         return None
 
 
-def build(model: Transformer) -> ScriptedDecode | None:
+def build(model: Transformer, *, fused: bool = True) -> ScriptedDecode | None:
     """The scripted decode for ``model`` (CPU), or None where neither path fits: the small-batch one
     needs every projection int4, or every one int8; the batch one every projection pre-packed
     (``PackedLinear``, or quantized with a packed copy). LoRA's wrapped projections fit neither."""
@@ -210,10 +234,19 @@ def build(model: Transformer) -> ScriptedDecode | None:
     projections = [p for layer in _blocks(model) for p in _projections(layer)]
     kinds = {type(p) for p in projections}
     int4 = kinds == {Int4Linear}
-    small = _script(_small_decode) if int4 or kinds == {Int8Linear} else None
+    small = None
+    if int4 or kinds == {Int8Linear}:
+        from trtserver.engine.torch import kernels
+
+        if fused and kernels.load():
+            small = _script(_fused_decode)
+        fused = small is not None
+        small = small or _script(_small_decode)
+    else:
+        fused = False
     packed = all(isinstance(getattr(p, "dense", p), PackedLinear) for p in projections) \
         and kinds <= {PackedLinear, Int4Linear, Int8Linear}
     batch = _script(_batch_decode) if packed else None
     if small is None and batch is None:
         return None
-    return ScriptedDecode(model, small, batch, int4)
+    return ScriptedDecode(model, small, batch, int4=int4, fused=fused)

@@ -1,0 +1,124 @@
+"""The fused CPU kernels (``kernels.cpp``) against the ATen calls they replace, and the fused small-batch
+decode against the eager layers on the real SmolLM2 in int4. Elementwise kernels round where ATen rounds
+(the same bits); reductions sum in their own order (within a bfloat16 step)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tests.engine.test_scripted_decode import MAX_LEN, _run_both
+from trtserver.engine.torch import kernels, scripted
+from trtserver.engine.torch.cpu_weights import quantize_weights
+from trtserver.engine.torch.model import Transformer, apply_rope, load_model
+
+NH, NKV, HS = 9, 3, 64
+
+
+@pytest.fixture(scope="module")
+def ops() -> object:
+    assert kernels.load(), "the fused kernels did not build (is a C++ compiler installed?)"
+    return torch.ops.trtserver
+
+
+def _bf16(*shape: int, seed: int = 0) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def _within_a_step(got: Tensor, want: Tensor) -> None:
+    """Equal but for an odd element one bfloat16 rounding step apart."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    step = want.float().abs().clamp(min=1e-3) * 2 ** -7
+    assert ((got.float() - want.float()).abs() <= step).all()
+    assert (got != want).float().mean() < 0.01
+
+
+def test_rms_norm(ops) -> None:  # type: ignore[no-untyped-def]
+    x, weight = _bf16(3, 576), 1 + 0.1 * _bf16(576, seed=1)
+    want = F.rms_norm(x.float(), [576], None, 1e-5).to(torch.bfloat16) * weight  # model.RMSNorm
+    _within_a_step(ops.rms_norm(x, weight, 1e-5), want)
+
+
+def test_silu_mul(ops) -> None:  # type: ignore[no-untyped-def]
+    gate_up = _bf16(2, 1, 2 * 1536)
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = ops.silu_mul(gate_up)
+    assert got.shape == (2, 1, 1536)
+    _within_a_step(got, F.silu(gate) * up)
+
+
+def test_rope_cache_rotates_and_writes_exactly_where_asked(ops) -> None:  # type: ignore[no-untyped-def]
+    qkv = _bf16(2, (NH + 2 * NKV) * HS)
+    cos, sin = _bf16(2, HS, seed=1), _bf16(2, HS, seed=2)
+    k_cache = torch.zeros(5, NKV, 40, HS, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    slots, positions = torch.tensor([3, 1]), torch.tensor([7, 20])
+    q = ops.rope_cache(qkv, cos, sin, k_cache, v_cache, slots, positions, NH, NKV)
+    qk, v = qkv.split([(NH + NKV) * HS, NKV * HS], dim=-1)
+    rotated = apply_rope(qk.view(2, NH + NKV, HS), cos.view(2, 1, HS), sin.view(2, 1, HS))
+    assert torch.equal(q, rotated[:, :NH])
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    for b, (slot, pos) in enumerate(zip(slots.tolist(), positions.tolist(), strict=True)):
+        want_k[slot, :, pos] = rotated[b, NH:]
+        want_v[slot, :, pos] = v[b].view(NKV, HS)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)  # and nothing else written
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.rope_cache(qkv, cos, sin, k_cache, v_cache, slots, torch.tensor([7, 40]), NH, NKV)
+
+
+@pytest.mark.parametrize("positions", [[7, 20], [300, 2]], ids=["short", "long-threaded"])
+def test_decode_attention_is_the_masked_sdpa(ops, positions: list[int]) -> None:  # type: ignore[no-untyped-def]
+    k_cache, v_cache = _bf16(5, NKV, 320, HS, seed=1), _bf16(5, NKV, 320, HS, seed=2)
+    q, slots, pos = _bf16(2, NH, HS, seed=3), torch.tensor([3, 1]), torch.tensor(positions)
+    length = max(positions) + 1
+    visible = (torch.arange(length) <= pos.view(2, 1)).view(2, 1, 1, length)
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+    want = F.scaled_dot_product_attention(q.view(2, NH, 1, HS).float(), k_cache[slots, :, :length].float(),
+                                          v_cache[slots, :, :length].float(), attn_mask=mask,
+                                          enable_gqa=True).to(torch.bfloat16).view(2, NH * HS)
+    _within_a_step(ops.decode_attention(q, k_cache, v_cache, slots, pos), want)
+
+
+def test_kernels_refuse_what_they_cannot_read(ops) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.silu_mul(_bf16(4, 6).t())  # not contiguous
+
+
+@pytest.fixture(scope="module")
+def smol_fused(smol_dir: Path, ops) -> Transformer:  # type: ignore[no-untyped-def]
+    model = load_model(smol_dir, torch.bfloat16, torch.device("cpu"))
+    quantize_weights(model, "int4")
+    model.setup_rope(MAX_LEN)
+    model.scripted = scripted.build(model)
+    assert model.scripted is not None and model.scripted.fused
+    return model
+
+
+@pytest.mark.parametrize(("slots", "positions"), [([0], [5]), ([1, 2, 3], [40, 3, 17]), ([4, 0], [20, 33])])
+def test_fused_decode_follows_the_eager_layers(smol_fused: Transformer, slots: list[int],
+                                               positions: list[int]) -> None:
+    want, got, eager_cache, fused_cache = _run_both(smol_fused, slots, positions, small=True)
+    # thirty layers of rounding in another order: the hidden states agree to bfloat16's few digits
+    assert torch.allclose(got.float(), want.float(), rtol=0.05, atol=0.05 * want.float().abs().max().item())
+    logits_want, logits_got = smol_fused.logits(want[:, 0]), smol_fused.logits(got[:, 0])
+    assert torch.equal(logits_got.argmax(-1), logits_want.argmax(-1))
+    for i in (0, len(eager_cache.k) - 1):  # the K/V written in the first and last layers
+        for slot, pos in zip(slots, positions, strict=True):
+            assert torch.allclose(fused_cache.k[i][slot, :, pos].float(), eager_cache.k[i][slot, :, pos].float(),
+                                  rtol=0.05, atol=0.05)
+            assert torch.allclose(fused_cache.v[i][slot, :, pos].float(), eager_cache.v[i][slot, :, pos].float(),
+                                  rtol=0.05, atol=0.05)
+
+
+def test_without_the_kernels_the_scripted_aten_calls_run(smol_dir: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(kernels, "load", lambda **_: False)  # no compiler on this machine
+    model = load_model(smol_dir, torch.bfloat16, torch.device("cpu"))
+    quantize_weights(model, "int8")
+    decode = scripted.build(model)
+    assert decode is not None and not decode.fused and decode.covers(True) and decode.covers(False)

@@ -1,0 +1,210 @@
+// Fused CPU kernels for the small-batch decode (bfloat16 activations): each replaces a run of ATen calls
+// that cost more to issue than to compute on a few hundred numbers (scripted.py, kernels.py).
+// Elementwise results round to bfloat16 exactly where the eager ops round; reductions sum in float32 in
+// their own order, so results can differ from the eager path's in the last bit.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+using at::BFloat16;
+using at::Tensor;
+
+namespace {
+
+inline float f(BFloat16 v) {  // exact: bfloat16 is the top half of a float32, and the shift vectorizes
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+inline BFloat16 bf(float v) { return BFloat16(v); }  // round to nearest even, as ATen's casts
+
+void check_bf16(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(), name,
+              ": expected a contiguous bfloat16 CPU tensor");
+}
+
+// model.RMSNorm: normalised in float32, cast to bfloat16, then scaled by the bfloat16 weight.
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  check_bf16(x, "rms_norm x");
+  check_bf16(weight, "rms_norm weight");
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  TORCH_CHECK(weight.numel() == n, "rms_norm: weight has ", weight.numel(), " elements, rows have ", n);
+  Tensor out = at::empty_like(x);
+  const BFloat16* xp = x.const_data_ptr<BFloat16>();
+  const BFloat16* wp = weight.const_data_ptr<BFloat16>();
+  BFloat16* op = out.mutable_data_ptr<BFloat16>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const BFloat16* xr = xp + r * n;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) sum += f(xr[i]) * f(xr[i]);
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + static_cast<float>(eps));
+    for (int64_t i = 0; i < n; ++i) op[r * n + i] = bf(f(bf(f(xr[i]) * inv)) * f(wp[i]));
+  }
+  return out;
+}
+
+// The rotation of model.apply_rope (x * cos + roll(x, hs / 2) * signed_sin, each product and the sum
+// rounded to bfloat16) on q and k of a fused qkv row, then k and v written to the caches at each row's
+// (slot, position). Returns the rotated q, (B, n_heads, head_dim).
+Tensor rope_cache(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache,
+                  const Tensor& slots, const Tensor& positions, int64_t n_heads, int64_t n_kv_heads) {
+  check_bf16(qkv, "rope_cache qkv");
+  check_bf16(cos, "rope_cache cos");
+  check_bf16(sin, "rope_cache sin");
+  check_bf16(k_cache, "rope_cache k_cache");
+  check_bf16(v_cache, "rope_cache v_cache");
+  const int64_t B = qkv.size(0), hs = k_cache.size(3), P = k_cache.size(2), nh = n_heads, nkv = n_kv_heads;
+  TORCH_CHECK(qkv.size(1) == (nh + 2 * nkv) * hs && k_cache.size(1) == nkv, "rope_cache: shapes disagree");
+  TORCH_CHECK(cos.numel() == B * hs && sin.numel() == B * hs, "rope_cache: cos/sin must be (B, head_dim)");
+  auto slot = slots.to(at::kLong).contiguous();
+  auto pos = positions.to(at::kLong).contiguous();
+  const int64_t* sp = slot.const_data_ptr<int64_t>();
+  const int64_t* pp = pos.const_data_ptr<int64_t>();
+  Tensor q = at::empty({B, nh, hs}, qkv.options());
+  const BFloat16* in = qkv.const_data_ptr<BFloat16>();
+  const BFloat16* cp = cos.const_data_ptr<BFloat16>();
+  const BFloat16* sn = sin.const_data_ptr<BFloat16>();
+  BFloat16* qp = q.mutable_data_ptr<BFloat16>();
+  BFloat16* kc = k_cache.mutable_data_ptr<BFloat16>();
+  BFloat16* vc = v_cache.mutable_data_ptr<BFloat16>();
+  const int64_t half = hs / 2;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < k_cache.size(0) && pp[b] >= 0 && pp[b] < P, "rope_cache: row ", b,
+                " points outside the cache");
+    const BFloat16* row = in + b * qkv.size(1);
+    const BFloat16* c = cp + b * hs;
+    const BFloat16* s = sn + b * hs;
+    for (int64_t h = 0; h < nh + nkv; ++h) {
+      const BFloat16* x = row + h * hs;
+      BFloat16* dst = h < nh ? qp + (b * nh + h) * hs : kc + ((sp[b] * nkv + (h - nh)) * P + pp[b]) * hs;
+      for (int64_t i = 0; i < half; ++i) {  // roll(x, hs / 2): the halves swap
+        dst[i] = bf(f(bf(f(x[i]) * f(c[i]))) + f(bf(f(x[i + half]) * f(s[i]))));
+      }
+      for (int64_t i = half; i < hs; ++i) {
+        dst[i] = bf(f(bf(f(x[i]) * f(c[i]))) + f(bf(f(x[i - half]) * f(s[i]))));
+      }
+    }
+    const BFloat16* v = row + (nh + nkv) * hs;
+    for (int64_t h = 0; h < nkv; ++h) {
+      std::copy(v + h * hs, v + (h + 1) * hs, vc + ((sp[b] * nkv + h) * P + pp[b]) * hs);
+    }
+  }
+  return q;
+}
+
+// One query row per sequence against its slot's keys 0..position (inclusive), as the small-batch
+// float32 SDPA with its mask: each q head j * g + i reads kv head j. Returns (B, n_heads * head_dim).
+Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
+                        const Tensor& positions) {
+  check_bf16(q, "decode_attention q");
+  check_bf16(k_cache, "decode_attention k_cache");
+  check_bf16(v_cache, "decode_attention v_cache");
+  const int64_t B = q.size(0), nh = q.size(1), hs = q.size(2), nkv = k_cache.size(1), P = k_cache.size(2);
+  TORCH_CHECK(nh % nkv == 0 && k_cache.size(3) == hs, "decode_attention: shapes disagree");
+  auto slot = slots.to(at::kLong).contiguous();
+  auto pos = positions.to(at::kLong).contiguous();
+  const int64_t* sp = slot.const_data_ptr<int64_t>();
+  const int64_t* pp = pos.const_data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < k_cache.size(0) && pp[b] >= 0 && pp[b] < P, "decode_attention: row ", b,
+                " points outside the cache");
+    longest = std::max(longest, pp[b] + 1);
+  }
+  Tensor out = at::empty({B, nh * hs}, q.options());
+  const BFloat16* qp = q.const_data_ptr<BFloat16>();
+  const BFloat16* kc = k_cache.const_data_ptr<BFloat16>();
+  const BFloat16* vc = v_cache.const_data_ptr<BFloat16>();
+  BFloat16* op = out.mutable_data_ptr<BFloat16>();
+  const int64_t group = nh / nkv;
+  const float scale = 1.f / std::sqrt(static_cast<float>(hs));
+  // one task per (row, kv head): its `group` query heads read each key and value row once
+  auto heads = [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * longest), query(group * hs), acc(group * hs), row(hs);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / nkv, kv = task % nkv, n = pp[b] + 1;
+      const int64_t base = (sp[b] * nkv + kv) * P * hs;
+      const BFloat16* qb = qp + (b * nh + kv * group) * hs;
+      for (int64_t i = 0; i < group * hs; ++i) query[i] = f(qb[i]);
+      for (int64_t t = 0; t < n; ++t) {
+        const BFloat16* k = kc + base + t * hs;
+        for (int64_t i = 0; i < hs; ++i) row[i] = f(k[i]);
+        for (int64_t j = 0; j < group; ++j) {
+          const float* qj = query.data() + j * hs;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t i = 0; i < hs; ++i) dot += qj[i] * row[i];
+          scores[j * longest + t] = dot * scale;
+        }
+      }
+      for (int64_t j = 0; j < group; ++j) {
+        float* sj = scores.data() + j * longest;
+        float best = -INFINITY, total = 0.f;
+        for (int64_t t = 0; t < n; ++t) best = std::max(best, sj[t]);
+        for (int64_t t = 0; t < n; ++t) {
+          sj[t] = std::exp(sj[t] - best);
+          total += sj[t];
+        }
+        for (int64_t t = 0; t < n; ++t) sj[t] /= total;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < n; ++t) {
+        const BFloat16* v = vc + base + t * hs;
+        for (int64_t i = 0; i < hs; ++i) row[i] = f(v[i]);
+        for (int64_t j = 0; j < group; ++j) {
+          const float p = scores[j * longest + t];
+          float* aj = acc.data() + j * hs;
+          for (int64_t i = 0; i < hs; ++i) aj[i] += p * row[i];
+        }
+      }
+      BFloat16* ob = op + (b * nh + kv * group) * hs;
+      for (int64_t i = 0; i < group * hs; ++i) ob[i] = bf(acc[i]);
+    }
+  };
+  // a few heads over a short context take microseconds: threads only where there is real work
+  if (B * nh * longest * hs < (1 << 18)) {
+    heads(0, B * nkv);
+  } else {
+    at::parallel_for(0, B * nkv, 1, heads);
+  }
+  return out;
+}
+
+// F.silu(gate) * up on a fused (gate, up) row, each result rounded to bfloat16 as the eager ops round.
+Tensor silu_mul(const Tensor& gate_up) {
+  check_bf16(gate_up, "silu_mul gate_up");
+  const int64_t width = gate_up.size(-1) / 2, rows = gate_up.numel() / (2 * width);
+  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
+  shape.back() = width;
+  Tensor out = at::empty(shape, gate_up.options());
+  const BFloat16* in = gate_up.const_data_ptr<BFloat16>();
+  BFloat16* op = out.mutable_data_ptr<BFloat16>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const BFloat16* g = in + r * 2 * width;
+    const BFloat16* u = g + width;
+    for (int64_t i = 0; i < width; ++i) {
+      const float x = f(g[i]);
+      op[r * width + i] = bf(f(bf(x / (1.f + std::exp(-x)))) * f(u[i]));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(trtserver, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("rope_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+        "Tensor positions, int n_heads, int n_kv_heads) -> Tensor", &rope_cache);
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor positions) -> Tensor",
+        &decode_attention);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+}
