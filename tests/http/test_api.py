@@ -103,7 +103,7 @@ def test_penalties_and_logit_bias(http: httpx.Client) -> None:
 
 
 def test_min_tokens_and_ignore_eos(http: httpx.Client) -> None:
-    prompt = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"
+    prompt = "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"  # "The answer is 4." and EOS
     short = post(http, prompt=prompt, max_tokens=64, temperature=0)
     assert short["choices"][0]["finish_reason"] == "stop"
     n = short["usage"]["completion_tokens"]

@@ -1,7 +1,7 @@
 """Process life cycle of a real ``trtserver serve`` subprocess: loading, client disconnects, SIGTERM
 draining, the bounded waiting queue, and an engine directory that fails to load.
 
-Every server here is small (``--max-model-len 256``, one or four slots) so it starts in seconds.
+Every server here is small (``--max-model-len 1024``, one or four slots) so it starts in seconds.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import pytest
 
 from tests.http.conftest import free_port
 
-SMALL = ("--max-model-len", "256")
-LONG = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+SMALL = ("--max-model-len", "1024")
+# long enough to outlast every timeout and grace period here (~100 tokens/s on two cores); those requests are cut short
+LONG = {"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
 # the waiting-bound tests need each request to outlast the arrivals (4 x 0.3 s): 160 tokens take ~3 s at ~55 tok/s
 TOKENS_PER_REQUEST = 160
 ENVELOPE_KEYS = {"message", "type", "param", "code"}
@@ -205,7 +206,7 @@ async def test_non_streaming_client_timeout_frees_the_slot(shared: tuple[Server,
     task = asyncio.create_task(impatient())
     await wait_gauge(server.base, "trtserver_running_sequences", 1, timeout=2.0)
     with pytest.raises(asyncio.TimeoutError):
-        await task  # 200 tokens take far longer than 2 s on a CPU
+        await task  # 1000 tokens take far longer than 2 s on a CPU
     freed_after = await wait_gauge(server.base, "trtserver_running_sequences", 0, timeout=2.0)
     assert freed_after < 2.0
     await assert_serves(server.base)
@@ -239,7 +240,7 @@ def _check_bounded(results: list[tuple[int, str | None, object]]) -> None:
 async def test_waiting_queue_bound_arrivals_spread_out(shared: tuple[Server, list, list]) -> None:
     server = shared[0]
     await wait_idle(server.base)
-    _check_bounded(await _fire(server.base, 5, gap_s=0.3))
+    _check_bounded(await _fire(server.base, 5, gap_s=0.1))  # all in while the first's 160 tokens decode
     await wait_idle(server.base)
 
 
@@ -314,7 +315,7 @@ async def test_sigterm_exits_after_grace_even_with_a_long_request(engine_dir: Pa
         await wait_ready(server)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             response = await session.post(f"{server.base}/v1/completions",
-                                          json={**LONG, "max_tokens": 250, "stream": True})
+                                          json={**LONG, "stream": True})
             lines = data_lines(response)
             await anext(lines)
             server.process.send_signal(signal.SIGTERM)
@@ -322,7 +323,7 @@ async def test_sigterm_exits_after_grace_even_with_a_long_request(engine_dir: Pa
             code = await asyncio.to_thread(server.process.wait, 30)
             elapsed = time.monotonic() - t0
             # 1 s grace + aiohttp's 1 s shutdown timeout + one engine step + interpreter exit; waiting for the
-            # whole 250-token answer instead would also end the stream with [DONE] (checked below)
+            # whole 1000-token answer instead would also end the stream with [DONE] (checked below)
             assert elapsed < 8.0, elapsed
             assert code == 0
             # the client is not left hanging either: its stream ends (cut short, no [DONE])
