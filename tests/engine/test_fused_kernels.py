@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tests.engine.test_model_families import make_checkpoint
 from tests.engine.test_scripted_decode import MAX_LEN, _run_both
 from trtserver.engine.torch import kernels, scripted
 from trtserver.engine.torch.cpu_weights import quantize_weights
@@ -122,3 +123,14 @@ def test_without_the_kernels_the_scripted_aten_calls_run(smol_dir: Path, monkeyp
     quantize_weights(model, "int8")
     decode = scripted.build(model)
     assert decode is not None and not decode.fused and decode.covers(True) and decode.covers(False)
+
+
+def test_fused_int8_with_qkv_biases_follows_the_eager_layers(tmp_path: Path, ops) -> None:  # type: ignore[no-untyped-def]
+    make_checkpoint(tmp_path, "qwen2")  # head_dim 16, two kv heads for four query heads, q/k/v biases
+    model = load_model(tmp_path, torch.bfloat16, torch.device("cpu"))
+    quantize_weights(model, "int8")
+    model.setup_rope(MAX_LEN)
+    model.scripted = scripted.build(model)
+    assert model.scripted is not None and model.scripted.fused
+    want, got, _, _ = _run_both(model, [2, 0], [9, 30], small=True)
+    assert torch.allclose(got.float(), want.float(), rtol=0.05, atol=0.05 * want.float().abs().max().item())
