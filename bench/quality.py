@@ -63,10 +63,10 @@ def main() -> None:
     fused = engine.core.model.scripted
     unfused = scripted.build(engine.core.model, fused=False)
     for label, small, decode in (
-            ("bfloat16 (batches above 4 rows; --batch-invariant)", False, fused),
+            ("bfloat16 (batches above 4 rows; --batch-invariant), as ATen calls", False, unfused),
+            ("bfloat16, with the fused RMSNorm and RoPE of kernels.cpp (the default where they build)", False, fused),
             ("small-batch kernels (float32 attention, int4 + refined head), as ATen calls", True, unfused),
-            ("small-batch kernels, through the fused CPU kernels (kernels.cpp; the default where they build)",
-             True, fused)):
+            ("small-batch kernels, through the fused CPU kernels (the default where they build)", True, fused)):
         engine.core.model.scripted = decode
         lps, top = score(engine, ids, small=small)
         agree = sum(a == b for a, b in zip(top, ref_top)) / n

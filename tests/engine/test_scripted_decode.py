@@ -43,16 +43,18 @@ def _decode_ctx(slots: list[int], positions: list[int], cache: KVCache, *, small
     return ForwardContext(pos, torch.tensor(slots), start, length, mask, dense=dense, small=small)
 
 
-def _run_both(model: Transformer, slots: list[int], positions: list[int], *,
-              small: bool) -> tuple[Tensor, Tensor, KVCache, KVCache]:
-    """(eager hidden, scripted hidden, eager cache, scripted cache) for one decode step."""
+def _run_both(model: Transformer, slots: list[int], positions: list[int], *, small: bool,
+              eager_small: bool | None = None) -> tuple[Tensor, Tensor, KVCache, KVCache]:
+    """(eager hidden, scripted hidden, eager cache, scripted cache) for one decode step; the eager one on
+    the small-batch path or not as ``eager_small`` says (default: as the scripted one)."""
     fast = model.scripted
     assert fast is not None and fast.covers(small)
     tokens = torch.tensor([[7 + 3 * i] for i in range(len(slots))])
     eager_cache, script_cache = _filled_cache(model), _filled_cache(model)
     with torch.inference_mode():
         model.scripted = None
-        want = model(tokens, _decode_ctx(slots, positions, eager_cache, small=small), eager_cache)
+        eager_ctx = _decode_ctx(slots, positions, eager_cache, small=small if eager_small is None else eager_small)
+        want = model(tokens, eager_ctx, eager_cache)
         model.scripted = fast
         got = model(tokens, _decode_ctx(slots, positions, script_cache, small=small), script_cache)
     return want, got, eager_cache, script_cache
@@ -72,7 +74,7 @@ def smol_int4(smol_dir: Path) -> Transformer:
     quantize_weights(model, "int4")
     model.setup_rope(MAX_LEN)
     model.scripted = scripted.build(model, fused=False)  # the same ATen calls as eager: the same bits
-    assert model.scripted is not None and not model.scripted.fused
+    assert model.scripted is not None and not model.scripted.fused_small
     return model
 
 
@@ -108,7 +110,7 @@ def test_unquantized_models_script_only_the_batch_path(tmp_path: Path, dtype: to
     model = load_model(tmp_path, dtype, torch.device("cpu"))
     pack_for_cpu(model)
     model.setup_rope(MAX_LEN)
-    model.scripted = scripted.build(model)
+    model.scripted = scripted.build(model, fused=False)
     assert model.scripted is not None and not model.scripted.covers(True)  # no small-batch kernels here
     _both_ways(model, [1, 2, 3], [40, 3, 17], small=False)
     _both_ways(model, [3, 0, 5], [40, 3, 17], small=False)
