@@ -44,14 +44,6 @@ def test_rms_norm(ops) -> None:  # type: ignore[no-untyped-def]
     _within_a_step(ops.rms_norm(x, weight, 1e-5), want)
 
 
-def test_silu_mul(ops) -> None:  # type: ignore[no-untyped-def]
-    gate_up = _bf16(2, 1, 2 * 1536)
-    gate, up = gate_up.chunk(2, dim=-1)
-    got = ops.silu_mul(gate_up)
-    assert got.shape == (2, 1, 1536)
-    _within_a_step(got, F.silu(gate) * up)
-
-
 def test_rope_cache_rotates_and_writes_exactly_where_asked(ops) -> None:  # type: ignore[no-untyped-def]
     qkv = _bf16(2, (NH + 2 * NKV) * HS)
     cos, sin = _bf16(2, HS, seed=1), _bf16(2, HS, seed=2)
@@ -88,7 +80,7 @@ def test_kernels_refuse_what_they_cannot_read(ops) -> None:  # type: ignore[no-u
     with pytest.raises(RuntimeError, match="bfloat16"):
         ops.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-5)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        ops.silu_mul(_bf16(4, 6).t())  # not contiguous
+        ops.rms_norm(_bf16(8, 4).t(), _bf16(8), 1e-5)  # not contiguous
 
 
 @pytest.fixture(scope="module")

@@ -178,26 +178,6 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   return out;
 }
 
-// F.silu(gate) * up on a fused (gate, up) row, each result rounded to bfloat16 as the eager ops round.
-Tensor silu_mul(const Tensor& gate_up) {
-  check_bf16(gate_up, "silu_mul gate_up");
-  const int64_t width = gate_up.size(-1) / 2, rows = gate_up.numel() / (2 * width);
-  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
-  shape.back() = width;
-  Tensor out = at::empty(shape, gate_up.options());
-  const BFloat16* in = gate_up.const_data_ptr<BFloat16>();
-  BFloat16* op = out.mutable_data_ptr<BFloat16>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const BFloat16* g = in + r * 2 * width;
-    const BFloat16* u = g + width;
-    for (int64_t i = 0; i < width; ++i) {
-      const float x = f(g[i]);
-      op[r * width + i] = bf(f(bf(x / (1.f + std::exp(-x)))) * f(u[i]));
-    }
-  }
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(trtserver, m) {
@@ -206,5 +186,4 @@ TORCH_LIBRARY(trtserver, m) {
         "Tensor positions, int n_heads, int n_kv_heads) -> Tensor", &rope_cache);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor positions) -> Tensor",
         &decode_attention);
-  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
 }

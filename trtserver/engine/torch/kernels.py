@@ -23,7 +23,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-OPS = ("rms_norm", "rope_cache", "decode_attention", "silu_mul")
+OPS = ("rms_norm", "rope_cache", "decode_attention")
 
 
 def loaded() -> bool:
