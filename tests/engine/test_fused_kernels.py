@@ -4,6 +4,7 @@ decode against the eager layers on the real SmolLM2 in int4. Elementwise kernels
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,13 @@ def test_fused_int8_with_qkv_biases_follows_the_eager_layers(tmp_path: Path, ops
     assert model.scripted is not None and model.scripted.fused_small
     want, got, _, _ = _run_both(model, [2, 0], [9, 30], small=True)
     assert torch.allclose(got.float(), want.float(), rtol=0.05, atol=0.05 * want.float().abs().max().item())
+
+
+def test_the_environments_own_ninja_is_found_without_activating_it(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import ninja
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)  # no ninja on PATH
+    kernels._ninja_on_path()
+    assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
+    assert (Path(ninja.BIN_DIR) / "ninja").exists()

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -48,11 +50,24 @@ def build_target() -> tuple[str, list[str]]:
     return "trtserver_kernels", flags
 
 
+def _ninja_on_path() -> None:
+    """torch runs ``ninja`` from PATH; the pip-installed one sits in this environment's bin folder, which
+    is on PATH only where the environment is activated."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
 def load(*, verbose: bool = False) -> bool:
     """Build or load the kernels into this process; False (and a warning) where they cannot be."""
     if loaded():
         return True
     t0 = time.perf_counter()
+    _ninja_on_path()
     try:
         from torch.utils.cpp_extension import load as build
 
