@@ -68,6 +68,8 @@ def main() -> None:
             ("small-batch kernels (float32 attention, int4 + refined head), as ATen calls", True, unfused),
             ("small-batch kernels, through the fused CPU kernels (the default where they build)", True, fused)):
         engine.core.model.scripted = decode
+        if decode is fused and not (fused is not None and (fused.fused_small if small else fused.fused_batch)):
+            label += " [the kernels did not build: ATen calls]"
         lps, top = score(engine, ids, small=small)
         agree = sum(a == b for a, b in zip(top, ref_top)) / n
         worst = max(abs(a - b) for a, b in zip(lps, ref))

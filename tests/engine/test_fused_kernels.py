@@ -4,7 +4,9 @@ decode against the eager layers on the real SmolLM2 in int4. Elementwise kernels
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -62,6 +64,14 @@ def test_rope_cache_rotates_and_writes_exactly_where_asked(ops) -> None:  # type
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)  # and nothing else written
     with pytest.raises(RuntimeError, match="outside the cache"):
         ops.rope_cache(qkv, cos, sin, k_cache, v_cache, slots, torch.tensor([7, 40]), NH, NKV)
+    with pytest.raises(RuntimeError, match="one slot and one position per row"):
+        ops.rope_cache(qkv, cos, sin, k_cache, v_cache, slots[:1], positions, NH, NKV)
+    with pytest.raises(RuntimeError, match="of one 4-d shape"):
+        ops.rope_cache(qkv, cos, sin, k_cache, v_cache[:4], slots, positions, NH, NKV)
+    with pytest.raises(RuntimeError, match="kv heads"):
+        ops.rope_cache(qkv, cos, sin, k_cache, v_cache, slots, positions, NH, NKV + 1)
+    with pytest.raises(RuntimeError, match="one slot and one position per row"):
+        ops.decode_attention(q, k_cache, v_cache, slots, positions[:1])
 
 
 @pytest.mark.parametrize("positions", [[7, 20], [300, 2]], ids=["short", "long-threaded"])
@@ -103,10 +113,11 @@ def _close(got: Tensor, want: Tensor) -> None:
     assert (error < 0.03).all(), error
 
 
+@pytest.mark.parametrize("small", [True, False], ids=["small-int4", "batch-packed"])
 @pytest.mark.parametrize(("slots", "positions"), CASES)
-def test_fused_decode_follows_the_eager_layers(smol_fused: Transformer, slots: list[int],
-                                               positions: list[int]) -> None:
-    want, got, eager_cache, fused_cache = _run_both(smol_fused, slots, positions, small=True)
+def test_fused_decode_follows_the_eager_layers(smol_fused: Transformer, slots: list[int], positions: list[int],
+                                               small: bool) -> None:
+    want, got, eager_cache, fused_cache = _run_both(smol_fused, slots, positions, small=small)
     _close(got, want)
     logits_want, logits_got = smol_fused.logits(want[:, 0]), smol_fused.logits(got[:, 0])
     assert torch.equal(logits_got.argmax(-1), logits_want.argmax(-1))
@@ -162,3 +173,28 @@ def test_the_environments_own_ninja_is_found_without_activating_it(monkeypatch) 
     kernels._ninja_on_path()
     assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
     assert (Path(ninja.BIN_DIR) / "ninja").exists()
+
+
+def test_a_build_that_runs_too_long_costs_the_kernels_not_the_start(tmp_path: Path, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built here yet
+    monkeypatch.setattr(kernels, "loaded", lambda: False)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        assert kernels.load(timeout_s=0.5) is False
+    assert time.monotonic() - t0 < 5
+    assert "was stopped" in caplog.text
+
+
+def test_a_stale_build_lock_is_cleared_before_building(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import torch.utils.cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    directory = kernels.build_directory(kernels.build_target()[0])
+    directory.mkdir(parents=True)
+    lock = directory / "lock"  # left by a build that was killed: torch's next build would wait on it forever
+    lock.touch()
+    os.utime(lock, (time.time() - 2 * kernels.STALE_LOCK_S,) * 2)
+    seen: list[bool] = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **_: seen.append(lock.exists()))
+    kernels.build()
+    assert seen == [False]

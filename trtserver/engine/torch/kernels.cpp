@@ -30,6 +30,16 @@ void check_bf16(const Tensor& t, const char* name) {
               ": expected a contiguous bfloat16 CPU tensor");
 }
 
+// K and V caches of one shape, (slots, kv heads, positions, head_dim); one (slot, position) per row, in range.
+void check_rows(const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots, const Tensor& positions,
+                int64_t rows, int64_t n_kv_heads, const char* op) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), op, ": K and V caches of one 4-d shape");
+  TORCH_CHECK(n_kv_heads > 0 && k_cache.size(1) == n_kv_heads, op, ": the caches hold ", k_cache.size(1),
+              " kv heads, not ", n_kv_heads);
+  TORCH_CHECK(slots.device().is_cpu() && positions.device().is_cpu() && slots.numel() == rows &&
+              positions.numel() == rows, op, ": one slot and one position per row, on the CPU");
+}
+
 // model.RMSNorm: normalised in float32, cast to bfloat16, then scaled by the bfloat16 weight.
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   check_bf16(x, "rms_norm x");
@@ -61,8 +71,10 @@ Tensor rope_cache(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const
   check_bf16(sin, "rope_cache sin");
   check_bf16(k_cache, "rope_cache k_cache");
   check_bf16(v_cache, "rope_cache v_cache");
+  TORCH_CHECK(qkv.dim() == 2, "rope_cache: qkv must be (rows, (n_heads + 2 n_kv_heads) head_dim)");
+  check_rows(k_cache, v_cache, slots, positions, qkv.size(0), n_kv_heads, "rope_cache");
   const int64_t B = qkv.size(0), hs = k_cache.size(3), P = k_cache.size(2), nh = n_heads, nkv = n_kv_heads;
-  TORCH_CHECK(qkv.size(1) == (nh + 2 * nkv) * hs && k_cache.size(1) == nkv, "rope_cache: shapes disagree");
+  TORCH_CHECK(nh > 0 && hs % 2 == 0 && qkv.size(1) == (nh + 2 * nkv) * hs, "rope_cache: shapes disagree");
   TORCH_CHECK(cos.numel() == B * hs && sin.numel() == B * hs, "rope_cache: cos/sin must be (B, head_dim)");
   auto slot = slots.to(at::kLong).contiguous();
   auto pos = positions.to(at::kLong).contiguous();
@@ -107,6 +119,8 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   check_bf16(q, "decode_attention q");
   check_bf16(k_cache, "decode_attention k_cache");
   check_bf16(v_cache, "decode_attention v_cache");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "decode_attention: q (rows, n_heads, head_dim), 4-d caches");
+  check_rows(k_cache, v_cache, slots, positions, q.size(0), k_cache.size(1), "decode_attention");
   const int64_t B = q.size(0), nh = q.size(1), hs = q.size(2), nkv = k_cache.size(1), P = k_cache.size(2);
   TORCH_CHECK(nh % nkv == 0 && k_cache.size(3) == hs, "decode_attention: shapes disagree");
   auto slot = slots.to(at::kLong).contiguous();

@@ -1,10 +1,12 @@
-"""Fused CPU kernels for the small-batch decode (``kernels.cpp``), built on this machine on first use.
+"""Fused CPU kernels for the decode (``kernels.cpp``), built on this machine on first use.
 
-``torch.utils.cpp_extension`` compiles them with the system's C++ compiler (~30 s, once; torch caches
-the build under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, keyed by the
-source) and registers them as ``torch.ops.trtserver.*``, which TorchScript can call. ``make engines``
-builds them, so a server's start-up only loads the cached library. Where there is no compiler, or
-the build fails, the scripted decode issues the same work as ATen calls (``scripted.py``).
+``torch.utils.cpp_extension`` compiles them with the system's C++ compiler and ninja (~10-30 s, once) into
+``TORCH_EXTENSIONS_DIR`` (by default ``~/.cache/torch_extensions``), under a name that digests the source,
+torch's version and the CPU, so a library is only ever loaded by the build it was made for. They register as
+``torch.ops.trtserver.*``, which TorchScript can call. ``make engines`` builds them, so a server's start-up
+only loads the library (~0.15 s). Where no library is there yet, the build runs in a child process with a
+time limit: a compiler that hangs, or a build lock left by a killed build, costs the engine its kernels,
+never its start. Without them the scripted decode issues the same work as ATen calls (``scripted.py``).
 
     python -m trtserver.engine.torch.kernels     # build (or find) them; exits 1 if they cannot be built
 """
@@ -16,6 +18,8 @@ import logging
 import os
 import platform
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +30,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 OPS = ("rms_norm", "rope_cache", "decode_attention")
+BUILD_TIMEOUT_S = 300.0
+STALE_LOCK_S = 900.0  # a build lock older than this was left by a build that died
+MODULE = "trtserver.engine.torch.kernels"  # the child that builds them
 
 
 def loaded() -> bool:
@@ -37,17 +44,25 @@ def loaded() -> bool:
 
 
 def build_target() -> tuple[str, list[str]]:
-    """The extension's name and compiler flags. On x86-64 Linux the build targets this CPU (AVX2 / AVX-512
-    for the attention's dot products), so the name carries a digest of the CPU's model and flags: a
-    home directory shared by different machines never hands one a library built for another."""
+    """The library's name and compiler flags. On x86-64 Linux the build targets this CPU (AVX2 / AVX-512 for
+    the attention's dot products), so the CPU's model and flags are part of the name, with the source and
+    torch's version: a home directory shared by different machines or environments never hands one a
+    library built for another."""
     flags = ["-O3", "-fopenmp-simd"]
+    key = [SOURCE.read_bytes(), torch.__version__.encode(), str(torch.compiled_with_cxx11_abi()).encode()]
     cpuinfo = Path("/proc/cpuinfo")
     if platform.machine() in ("x86_64", "AMD64") and cpuinfo.exists():
         lines = [line for line in cpuinfo.read_text(errors="replace").splitlines()
                  if line.startswith(("model name", "flags"))][:2]
-        digest = hashlib.sha1("\n".join(lines).encode()).hexdigest()[:10]
-        return f"trtserver_kernels_{digest}", [*flags, "-march=native"]
-    return "trtserver_kernels", flags
+        key.append("\n".join(lines).encode())
+        flags.append("-march=native")
+    key.append(" ".join(flags).encode())
+    return f"trtserver_kernels_{hashlib.sha1(b'|'.join(key)).hexdigest()[:12]}", flags
+
+
+def build_directory(name: str) -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "torch_extensions")
+    return Path(root) / "trtserver" / name
 
 
 def _ninja_on_path() -> None:
@@ -62,26 +77,61 @@ def _ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
-def load(*, verbose: bool = False) -> bool:
-    """Build or load the kernels into this process; False (and a warning) where they cannot be."""
+def build(*, verbose: bool = False) -> Path:
+    """Compile the library in this process (raises on failure); returns its path."""
+    from torch.utils.cpp_extension import load as compile_and_load
+
+    name, flags = build_target()
+    directory = build_directory(name)
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / "lock"  # torch's build lock: a build killed midway leaves it, and the next waits forever
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+    _ninja_on_path()
+    compile_and_load(name=name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(directory),
+                     is_python_module=False, verbose=verbose)
+    return directory / f"{name}.so"
+
+
+def load(*, timeout_s: float = BUILD_TIMEOUT_S) -> bool:
+    """Load the kernels into this process, building them first (in a child, within ``timeout_s``) where
+    they are not built yet; False, with a warning, where they cannot be had."""
     if loaded():
         return True
     t0 = time.perf_counter()
-    _ninja_on_path()
+    name, _ = build_target()
+    library = build_directory(name) / f"{name}.so"
+    if not library.exists():
+        child = subprocess.Popen([sys.executable, "-m", MODULE, "--build-only"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            output, _ = child.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)  # the compiler and ninja too, not only the child
+            child.communicate()
+            log.warning("fused CPU kernels: the build took over %.0f s and was stopped; the decode issues "
+                        "their work as ATen calls", timeout_s)
+            return False
+        if child.returncode != 0 or not library.exists():
+            tail = output.strip().splitlines()[-3:]
+            log.warning("fused CPU kernels unavailable (%s); the decode issues their work as ATen calls",
+                        " / ".join(tail) or f"exit code {child.returncode}")
+            return False
     try:
-        from torch.utils.cpp_extension import load as build
-
-        name, flags = build_target()
-        build(name=name, sources=[str(SOURCE)], extra_cflags=flags, is_python_module=False, verbose=verbose)
-    except Exception as exc:  # noqa: BLE001 - no compiler, no headers, a failed build: the ATen path runs
-        log.warning("fused CPU kernels unavailable (%s); the decode issues them as ATen calls", exc)
+        torch.ops.load_library(str(library))
+    except Exception as exc:  # noqa: BLE001 - a library that does not load leaves the ATen path
+        log.warning("fused CPU kernels: %s did not load (%s); the decode issues their work as ATen calls", library, exc)
         return False
     log.info("fused CPU kernels loaded in %.1fs", time.perf_counter() - t0)
     return loaded()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args == ["--build-only"]:  # load()'s child
+        build()
+        return 0
     ok = load()
     print("trtserver fused CPU kernels:", "ready" if ok else "not available (the decode runs without them)")
     return 0 if ok else 1
