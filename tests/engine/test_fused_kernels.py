@@ -17,6 +17,7 @@ from torch import Tensor
 from tests.engine.test_model_families import make_checkpoint
 from tests.engine.test_scripted_decode import MAX_LEN, _run_both
 from trtserver.engine.torch import kernels, scripted
+from trtserver.engine.torch.cache import KVCache
 from trtserver.engine.torch.cpu_weights import pack_for_cpu, quantize_weights
 from trtserver.engine.torch.model import Transformer, apply_rope, load_model
 
@@ -113,18 +114,23 @@ def _close(got: Tensor, want: Tensor) -> None:
     assert (error < 0.03).all(), error
 
 
+def _agree(model: Transformer, slots: list[int], positions: list[int], want: Tensor, got: Tensor,
+           eager_cache: KVCache, fused_cache: KVCache) -> None:
+    """Hidden states, the next token and the K/V written in the first and last layers: all close."""
+    _close(got, want)
+    assert torch.equal(model.logits(got[:, 0]).argmax(-1), model.logits(want[:, 0]).argmax(-1))
+    for i in (0, len(eager_cache.k) - 1):
+        for slot, pos in zip(slots, positions, strict=True):
+            _close(fused_cache.k[i][slot, :, pos].flatten(), eager_cache.k[i][slot, :, pos].flatten())
+            _close(fused_cache.v[i][slot, :, pos].flatten(), eager_cache.v[i][slot, :, pos].flatten())
+
+
 @pytest.mark.parametrize("small", [True, False], ids=["small-int4", "batch-packed"])
 @pytest.mark.parametrize(("slots", "positions"), CASES)
 def test_fused_decode_follows_the_eager_layers(smol_fused: Transformer, slots: list[int], positions: list[int],
                                                small: bool) -> None:
     want, got, eager_cache, fused_cache = _run_both(smol_fused, slots, positions, small=small)
-    _close(got, want)
-    logits_want, logits_got = smol_fused.logits(want[:, 0]), smol_fused.logits(got[:, 0])
-    assert torch.equal(logits_got.argmax(-1), logits_want.argmax(-1))
-    for i in (0, len(eager_cache.k) - 1):  # the K/V written in the first and last layers
-        for slot, pos in zip(slots, positions, strict=True):
-            _close(fused_cache.k[i][slot, :, pos].flatten(), eager_cache.k[i][slot, :, pos].flatten())
-            _close(fused_cache.v[i][slot, :, pos].flatten(), eager_cache.v[i][slot, :, pos].flatten())
+    _agree(smol_fused, slots, positions, want, got, eager_cache, fused_cache)
 
 
 @pytest.mark.parametrize(("slots", "positions"), CASES)
@@ -136,13 +142,7 @@ def test_fused_batch_decode_follows_the_eager_batch_path(smol_dir: Path, ops, sl
     model.scripted = scripted.build(model)
     assert model.scripted is not None and model.scripted.fused_batch and not model.scripted.covers(True)
     want, got, eager_cache, fused_cache = _run_both(model, slots, positions, small=False)
-    _close(got, want)
-    logits_want, logits_got = model.logits(want[:, 0]), model.logits(got[:, 0])
-    assert torch.equal(logits_got.argmax(-1), logits_want.argmax(-1))
-    for i in (0, len(eager_cache.k) - 1):  # the K/V written in the first and last layers
-        for slot, pos in zip(slots, positions, strict=True):
-            _close(fused_cache.k[i][slot, :, pos].flatten(), eager_cache.k[i][slot, :, pos].flatten())
-            _close(fused_cache.v[i][slot, :, pos].flatten(), eager_cache.v[i][slot, :, pos].flatten())
+    _agree(model, slots, positions, want, got, eager_cache, fused_cache)
 
 
 def test_without_the_kernels_the_scripted_aten_calls_run(smol_dir: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -290,8 +290,7 @@ async def test_quantized_weights_still_know_paris(smol_dir, kind: str) -> None: 
                                threads=1)  # the ServerConfig field
     await eng.start()
     try:
-        assert eng.dtype == torch.bfloat16 and eng.quantize == kind
-        assert eng.core.model.scripted is not None  # the small-batch decode runs from TorchScript
+        assert eng.dtype == torch.bfloat16 and eng.quantize == kind and eng.core.model.scripted is not None
         assert "Paris" in eng.tokenizer.decode(await greedy(eng, "The capital of France is", max_tokens=4))
         # two rows at once still take the quantized kernel; the answer stays sensible
         both = await asyncio.gather(*(greedy(eng, p, max_tokens=4) for p in PROMPTS[:2]))
