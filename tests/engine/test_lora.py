@@ -189,6 +189,22 @@ async def test_base_unchanged_without_adapter(lora_engine: TorchEngine, engine: 
     assert with_support[0] == ref_ids[prompt_len:]
 
 
+async def test_only_batches_without_adapters_take_the_scripted_decode(lora_engine: TorchEngine,
+                                                                    monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """It runs the bare projections (and, on a LoRA server, never the fused kernels: the same bits as the
+    eager layers, whatever else shares the batch); a batch with an adapter takes the wrapped layers."""
+    decode = lora_engine.core.model.scripted
+    assert decode is not None and not decode.fused_small and not decode.fused_batch
+    calls: list[int] = []
+    real = type(decode).__call__
+    monkeypatch.setattr(type(decode), "__call__", lambda self, *args: (calls.append(1), real(self, *args))[1])
+    await run(lora_engine, PROMPTS[0], None)
+    base = len(calls)
+    assert base >= MAX_TOKENS - 1  # every decode step of the base request
+    await run(lora_engine, PROMPTS[0], "qv")
+    assert len(calls) == base
+
+
 async def test_adapter_changes_output(lora_engine: TorchEngine) -> None:
     base, _, _ = await run(lora_engine, PROMPTS[0], None)
     qv, _, _ = await run(lora_engine, PROMPTS[0], "qv")

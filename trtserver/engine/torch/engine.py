@@ -231,7 +231,7 @@ class TorchEngine:
 
             self.lora = LoraManager(self.adapters, model.args, dtype, self.device)
             self.lora.install(model)
-        elif self.device.type == "cpu":
+        if self.device.type == "cpu":
             from trtserver.engine.torch.scripted import build
 
             model.scripted = build(model)

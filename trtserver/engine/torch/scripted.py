@@ -16,8 +16,9 @@ take their place: RMSNorm, RoPE with the K/V write and (small batches) the atten
 a dozen calls per layer instead of ~40 (one row a further 0.72×, sixteen 0.89×). Their reductions sum
 in their own order, so they are close to the eager layers, not bit for bit.
 
-Prefill stays eager (its GEMMs dwarf the calls), and so does any model these do not fit: LoRA wraps
-the projections, CUDA has its graphs. TorchScript is deprecated in recent torch releases: where
+Prefill stays eager (its GEMMs dwarf the calls), and so do CUDA (it has its graphs) and, on a LoRA
+server, the batches with an adapter (its base batches take the ATen-call functions on the bare
+projections). TorchScript is deprecated in recent torch releases: where
 ``torch.jit.script`` is missing or fails, the eager layers run.
 """
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
     from torch import nn
 
+    from trtserver.engine.torch.lora import LoraBatch
     from trtserver.engine.torch.model import Block, ForwardContext, Transformer
 
 log = logging.getLogger(__name__)
@@ -192,6 +194,8 @@ class ScriptedDecode:
         layers = _blocks(model)
         projections = [p for layer in layers for p in _projections(layer)]
         self._small, self._batch, self._int4 = small, batch, int4
+        # these run the bare projections: on a LoRA server only batches with no adapter may take them
+        self.lora = _lora_batch(model)
         self.fused_small, self.fused_batch = fused  # which paths run the fused kernels (_fused_*decode)
         self._norms = [t for layer in layers for t in (layer.attention_norm.weight, layer.ffn_norm.weight)]
         self._biases = [cast("Tensor | None", getattr(p, "bias", None)) for p in projections]
@@ -206,6 +210,8 @@ class ScriptedDecode:
         self._heads = (args.n_heads, args.n_kv_heads, args.head_dim)
 
     def covers(self, small: bool) -> bool:
+        if self.lora is not None and self.lora.groups:  # rows with adapters: LoRA's wrapped projections
+            return False
         return (self._small if small else self._batch) is not None
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
@@ -246,8 +252,23 @@ def _blocks(model: Transformer) -> list[Block]:
     return cast("list[Block]", list(model.layers))
 
 
-def _projections(layer: Block) -> tuple[nn.Module, ...]:
+def _raw_projections(layer: Block) -> tuple[nn.Module, ...]:
     return (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2)
+
+
+def _projections(layer: Block) -> tuple[nn.Module, ...]:
+    """The layer's projections, under any LoRA wrapping (``lora.LoraLinear.base``)."""
+    from trtserver.engine.torch.lora import LoraLinear
+
+    return tuple(p.base if isinstance(p, LoraLinear) else p for p in _raw_projections(layer))
+
+
+def _lora_batch(model: Transformer) -> LoraBatch | None:
+    """A LoRA server's batch binding, which says whether the running forward has rows with adapters."""
+    from trtserver.engine.torch.lora import LoraLinear
+
+    wrapped = (p for layer in _blocks(model) for p in _raw_projections(layer) if isinstance(p, LoraLinear))
+    return next((p.batch for p in wrapped), None)
 
 
 def _script(fn: Callable[..., Tensor]) -> Callable[..., Tensor] | None:
@@ -266,8 +287,13 @@ def _script(fn: Callable[..., Tensor]) -> Callable[..., Tensor] | None:
 def build(model: Transformer, *, fused: bool = True) -> ScriptedDecode | None:
     """The scripted decode for ``model`` (CPU), or None where neither path fits: the small-batch one
     needs every projection int4, or every one int8; the batch one every projection pre-packed
-    (``PackedLinear``, or quantized with a packed copy). LoRA's wrapped projections fit neither."""
+    (``PackedLinear``, or quantized with a packed copy). On a LoRA server it serves the batches with no
+    adapter, through the same ATen calls as the eager layers and never the fused kernels: a row's bits
+    then do not depend on whether another row of its batch has an adapter."""
     from trtserver.engine.torch.cpu_weights import Int4Linear, Int8Linear, PackedLinear
+
+    if _lora_batch(model) is not None:
+        fused = False
 
     projections = [p for layer in _blocks(model) for p in _projections(layer)]
     kinds = {type(p) for p in projections}
