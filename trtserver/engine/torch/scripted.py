@@ -218,8 +218,7 @@ class ScriptedDecode:
                  ctx: ForwardContext) -> Tensor:
         """``x`` (B, 1, dim) and ``cos``/``sin`` (B, 1, 1, head_dim), as the eager layers take them."""
         B, _, dim = x.shape
-        x2, cos2, sin2 = x.view(B, dim), cos.view(B, 1, -1), sin.view(B, 1, -1)
-        rows, slot_start = ctx.cache_rows(k_caches[0]), -1 if ctx.slot_start is None else ctx.slot_start
+        x2, slot_start = x.view(B, dim), -1 if ctx.slot_start is None else ctx.slot_start
         # unoptimized: the profiling executor's first call took ~50 ms and new batch shapes re-profiled,
         # for graphs it cannot fuse on the CPU anyway (steady steps: 8.9-9.1 ms either way)
         with torch.jit.optimized_execution(False):
@@ -234,17 +233,18 @@ class ScriptedDecode:
                 y = self._batch(x2, cos.view(B, -1), sin.view(B, -1), k_caches, v_caches, ctx.slots, ctx.pos.view(-1),
                                 slot_start, ctx.length, ctx.mask, dense_k, dense_v, self._norms, self._packed,
                                 self._biases, self._eps, *self._heads[:2])
-            elif ctx.small:
+            elif ctx.small:  # the ATen calls: K/V written at the flat cache rows, rope tables (B, 1, head_dim)
                 assert self._small is not None
-                y = self._small(x2, cos2, sin2, k_caches, v_caches, rows, ctx.slots, slot_start, ctx.length,
-                                ctx.additive_mask(), self._norms, self._quantized, self._scales, self._biases,
-                                self._int4, self._eps, *self._heads)
+                y = self._small(x2, cos.view(B, 1, -1), sin.view(B, 1, -1), k_caches, v_caches,
+                                ctx.cache_rows(k_caches[0]), ctx.slots, slot_start, ctx.length, ctx.additive_mask(),
+                                self._norms, self._quantized, self._scales, self._biases, self._int4, self._eps,
+                                *self._heads)
             else:
                 assert self._batch is not None
                 dense_k, dense_v = ctx.dense if ctx.dense is not None else (None, None)
-                y = self._batch(x2, cos2, sin2, k_caches, v_caches, rows, ctx.slots, slot_start, ctx.length,
-                                ctx.mask, dense_k, dense_v, self._norms, self._packed, self._biases, self._eps,
-                                *self._heads)
+                y = self._batch(x2, cos.view(B, 1, -1), sin.view(B, 1, -1), k_caches, v_caches,
+                                ctx.cache_rows(k_caches[0]), ctx.slots, slot_start, ctx.length, ctx.mask, dense_k,
+                                dense_v, self._norms, self._packed, self._biases, self._eps, *self._heads)
         return y.view(B, 1, dim)
 
 
