@@ -127,8 +127,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # normalised in float32, then cast and scaled, as Hugging Face's (same bits)
-        return F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Normalised in float32, then cast and scaled, as Hugging Face's (same bits)."""
+    return F.rms_norm(x.float(), [x.shape[-1]], None, eps).to(x.dtype) * weight
 
 
 class Attention(nn.Module):
@@ -156,34 +160,46 @@ class Attention(nn.Module):
             keys = k_cache[ctx.slot_start:ctx.slot_start + B, :, :ctx.length]  # (B, nkv, L, hs), a view
             values = v_cache[ctx.slot_start:ctx.slot_start + B, :, :ctx.length]
             if ctx.dense is not None and T == 1 and not ctx.small:
-                # oneDNN's bf16 bmm on this strided view is slower than a copy into a dense, reused
-                # buffer plus the dense bmm (1.5-2.5x per layer at 4-16 rows; same numbers)
-                n = keys.numel()
-                keys = ctx.dense[0][:n].view(keys.shape).copy_(keys)
-                values = ctx.dense[1][:n].view(values.shape).copy_(values)
+                keys, values = into_buffer(keys, ctx.dense[0]), into_buffer(values, ctx.dense[1])
         else:
             keys = k_cache[ctx.slots, :, :ctx.length]  # (B, nkv, L, hs), gathered
             values = v_cache[ctx.slots, :, :ctx.length]
         if ctx.small:
-            # a few rows: float32 SDPA is 2-3x faster than bfloat16 matmuls with 3 query rows per
-            # kv head; at 16 rows the bfloat16 path below wins (the conversion reads K/V once more)
-            y = F.scaled_dot_product_attention(
-                q.transpose(1, 2).float(), keys.float(), values.float(), attn_mask=ctx.additive_mask(),
-                enable_gqa=nh != nkv,
-            ).to(x.dtype)  # (B, nh, 1, hs)
+            y = small_decode_attention(q.transpose(1, 2), keys, values, ctx.additive_mask())  # (B, nh, 1, hs)
             return self.wo.forward(y.view(B, 1, nh * hs))
-        if T == 1:  # decode: two small matmuls beat the flash kernel for one query row
-            q = q.view(B, nkv, nh // nkv, hs)  # (B, nkv, g, hs): q head j*g + i reads kv head j
-            scores = (q @ keys.transpose(-1, -2)).float() * (hs ** -0.5)  # (B, nkv, g, L)
-            if ctx.mask is not None:
-                scores.masked_fill_(~ctx.mask, float("-inf"))  # mask (B, 1, 1, L)
-            y = scores.softmax(dim=-1).to(values.dtype) @ values  # (B, nkv, g, hs)
+        if T == 1:
+            y = bmm_decode_attention(q, keys, values, ctx.mask)  # (B, nkv, g, hs)
             return self.wo.forward(y.view(B, 1, nh * hs))
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values,  # (B, nh, T, hs) against (B, nkv, L, hs)
             attn_mask=ctx.mask, is_causal=ctx.causal, enable_gqa=nh != nkv,
         )  # (B, nh, T, hs)
         return self.wo(y.transpose(1, 2).reshape(B, T, nh * hs))
+
+
+def small_decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+    """A few rows' decode attention in float32 SDPA: 2-3x faster than bfloat16 matmuls with 3 query rows
+    per kv head (at 16 rows the bmm below wins; the conversion reads K/V once more). ``q`` (B, nh, 1, hs)
+    against (B, nkv, L, hs); ``mask`` additive (``ForwardContext.additive_mask``); returns q's dtype."""
+    return F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask,
+                                          enable_gqa=q.shape[1] != keys.shape[1]).to(q.dtype)
+
+
+def bmm_decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+    """Decode attention as two small matmuls, which beat the flash kernel for one query row: ``q`` any
+    shape holding (B, nh, hs), q head j*g + i reading kv head j, against (B, nkv, L, hs); ``mask`` boolean
+    (B, 1, 1, L), True = attend. Scores and softmax in float32; returns (B, nkv, g, hs)."""
+    B, nkv, _, hs = keys.shape
+    scores = (q.reshape(B, nkv, -1, hs) @ keys.transpose(-1, -2)).float() * (hs ** -0.5)  # (B, nkv, g, L)
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    return scores.softmax(dim=-1).to(values.dtype) @ values
+
+
+def into_buffer(t: Tensor, buffer: Tensor) -> Tensor:
+    """``t`` copied into the front of a flat, reused buffer: oneDNN's bf16 bmm on the cache's strided
+    view is slower than this copy plus the dense bmm (1.5-2.5x per layer at 4-16 rows; same numbers)."""
+    return buffer[:t.numel()].view(t.shape).copy_(t)
 
 
 class FeedForward(nn.Module):

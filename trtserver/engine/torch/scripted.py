@@ -32,6 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from trtserver.engine.torch.model import (
+    apply_rope,
+    bmm_decode_attention,
+    into_buffer,
+    rms_norm,
+    small_decode_attention,
+)
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -43,10 +51,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _NO_SCALARS = list[Union[int, float, complex] | None]  # noqa: UP007 - how TorchScript spells Scalar?[]
-
-
-def _norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return F.rms_norm(x.float(), [x.shape[-1]], None, eps).to(x.dtype) * weight
 
 
 def _quantized(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, int4: bool) -> Tensor:
@@ -66,13 +70,11 @@ def _packed(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 def _rope_and_cache(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor,
                     n_heads: int, n_kv_heads: int, head_dim: int) -> Tensor:
-    """Rotates q and k (``model.apply_rope``), writes k and v at ``rows`` of the caches; returns q (B, nh, hs)."""
+    """Rotates q and k, writes k and v at ``rows`` of the caches; returns q (B, nh, hs)."""
     B = qkv.shape[0]
     nh, nkv, hs = n_heads, n_kv_heads, head_dim
     qk, v = qkv.split([(nh + nkv) * hs, nkv * hs], dim=-1)
-    qk = qk.view(B, nh + nkv, hs)
-    qk = qk * cos + qk.roll(hs // 2, -1) * sin
-    q, k = qk.split([nh, nkv], dim=1)
+    q, k = apply_rope(qk.view(B, nh + nkv, hs), cos, sin).split([nh, nkv], dim=1)
     k_cache.view(-1, hs).index_copy_(0, rows, k.reshape(-1, hs))
     v_cache.view(-1, hs).index_copy_(0, rows, v.reshape(-1, hs))
     return q
@@ -96,14 +98,13 @@ def _small_decode(x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v
     nh, nkv, hs = n_heads, n_kv_heads, head_dim
     for i in range(len(k_caches)):
         w = 4 * i
-        qkv = _quantized(_norm(x, norms[2 * i], eps), weights[w], scales[w], biases[w], int4)
+        qkv = _quantized(rms_norm(x, norms[2 * i], eps), weights[w], scales[w], biases[w], int4)
         q = _rope_and_cache(qkv, cos, sin, k_caches[i], v_caches[i], rows, nh, nkv, hs)
         keys = _live(k_caches[i], slots, slot_start, B, length)
         values = _live(v_caches[i], slots, slot_start, B, length)
-        y = F.scaled_dot_product_attention(q.view(B, nh, 1, hs).float(), keys.float(), values.float(),
-                                           attn_mask=mask, enable_gqa=nh != nkv).to(x.dtype)
+        y = small_decode_attention(q.view(B, nh, 1, hs), keys, values, mask)
         x = x + _quantized(y.view(B, nh * hs), weights[w + 1], scales[w + 1], biases[w + 1], int4)
-        gate, up = _quantized(_norm(x, norms[2 * i + 1], eps), weights[w + 2], scales[w + 2], biases[w + 2],
+        gate, up = _quantized(rms_norm(x, norms[2 * i + 1], eps), weights[w + 2], scales[w + 2], biases[w + 2],
                               int4).chunk(2, dim=-1)
         x = x + _quantized(F.silu(gate) * up, weights[w + 3], scales[w + 3], biases[w + 3], int4)
     return x
@@ -139,7 +140,7 @@ def _fused_batch_decode(x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tens
         w = 4 * i
         qkv = _packed(torch.ops.trtserver.rms_norm(x, norms[2 * i], eps), weights[w], biases[w])
         q = torch.ops.trtserver.rope_cache(qkv, cos, sin, k_caches[i], v_caches[i], slots, positions, nh, nkv)
-        y = _bmm_attention(q, k_caches[i], v_caches[i], slots, slot_start, length, mask, dense_k, dense_v, nkv)
+        y = _bmm_attention(q, k_caches[i], v_caches[i], slots, slot_start, length, mask, dense_k, dense_v)
         x = x + _packed(y, weights[w + 1], biases[w + 1])
         gate, up = _packed(torch.ops.trtserver.rms_norm(x, norms[2 * i + 1], eps), weights[w + 2],
                            biases[w + 2]).chunk(2, dim=-1)
@@ -148,22 +149,15 @@ def _fused_batch_decode(x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tens
 
 
 def _bmm_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, slot_start: int, length: int,
-                   mask: Tensor | None, dense_k: Tensor | None, dense_v: Tensor | None, n_kv_heads: int) -> Tensor:
-    """The eager batch path's decode attention: q (B, nh, hs) against the live K/V (copied into the dense
-    buffers first, where given and the slots are consecutive), scores in float32, products in the cache's
-    dtype; returns (B, nh * hs)."""
+                   mask: Tensor | None, dense_k: Tensor | None, dense_v: Tensor | None) -> Tensor:
+    """The eager batch path's decode attention on the live K/V (copied into the dense buffers first, where
+    given and the slots are consecutive); returns (B, nh * hs)."""
     B, nh, hs = q.shape
     keys = _live(k_cache, slots, slot_start, B, length)
     values = _live(v_cache, slots, slot_start, B, length)
     if slot_start >= 0 and dense_k is not None and dense_v is not None:
-        n = keys.numel()
-        keys = dense_k[:n].view(keys.shape).copy_(keys)
-        values = dense_v[:n].view(values.shape).copy_(values)
-    scores = (q.reshape(B, n_kv_heads, nh // n_kv_heads, hs) @ keys.transpose(-1, -2)).float() * (hs ** -0.5)
-    if mask is not None:
-        scores.masked_fill_(~mask, float("-inf"))
-    y = scores.softmax(dim=-1).to(values.dtype) @ values  # (B, nkv, g, hs)
-    return y.reshape(B, nh * hs)
+        keys, values = into_buffer(keys, dense_k), into_buffer(values, dense_v)
+    return bmm_decode_attention(q, keys, values, mask).reshape(B, nh * hs)
 
 
 def _batch_decode(x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
@@ -175,11 +169,11 @@ def _batch_decode(x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v
     nh, nkv, hs = n_heads, n_kv_heads, head_dim
     for i in range(len(k_caches)):
         w = 4 * i
-        qkv = _packed(_norm(x, norms[2 * i], eps), weights[w], biases[w])
+        qkv = _packed(rms_norm(x, norms[2 * i], eps), weights[w], biases[w])
         q = _rope_and_cache(qkv, cos, sin, k_caches[i], v_caches[i], rows, nh, nkv, hs)
-        y = _bmm_attention(q, k_caches[i], v_caches[i], slots, slot_start, length, mask, dense_k, dense_v, nkv)
+        y = _bmm_attention(q, k_caches[i], v_caches[i], slots, slot_start, length, mask, dense_k, dense_v)
         x = x + _packed(y, weights[w + 1], biases[w + 1])
-        gate, up = _packed(_norm(x, norms[2 * i + 1], eps), weights[w + 2], biases[w + 2]).chunk(2, dim=-1)
+        gate, up = _packed(rms_norm(x, norms[2 * i + 1], eps), weights[w + 2], biases[w + 2]).chunk(2, dim=-1)
         x = x + _packed(F.silu(gate) * up, weights[w + 3], biases[w + 3])
     return x
 
