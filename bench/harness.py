@@ -161,12 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     notes = ours.notes + (peer.notes if peer else [])
     inproc_results: dict[str, dict[str, Any]] = {}
     paired: dict[str, Any] = {}
+    floor: dict[str, Any] = {}
     if args.inproc and time.monotonic() < deadline:
         repeat = ["--repeat", "1" if args.quick else "3", "--tokens", str(args.tokens)]
         rounds = 4 if args.quick else 12
         paired = result_line([sys.executable, "-m", "bench.overhead", "--json", "--engine-dir", str(engine_dir),
                               "--rounds", str(rounds), "--tokens", str(args.tokens), "--dtype", dtype,
                               "--device", args.device, f"--ours-args={args.ours_args}"], 900)
+        if args.device == "cpu" and dtype == "auto" and not args.ours_args.strip():  # the server's defaults only
+            floor = result_line([sys.executable, "-m", "bench.loop_floor", "--json", "--engine-dir", str(engine_dir),
+                                 "--rounds", "4" if args.quick else "8", "--tokens", str(args.tokens)], 600)
         if llama_py is not None and gguf is not None:
             for t in (1, 2):
                 inproc_results[f"llamacpp{t}"] = inproc(llama_py, "llamacpp",
@@ -190,6 +194,15 @@ def main(argv: list[str] | None = None) -> int:
                            fmt(1000 / paired["inproc_ms"]), "-", "-", ""))
     elif paired:
         notes.append(f"paired overhead run failed: {paired.get('error', '')[:200]}")
+    if "floor_cpu_ms" in floor:
+        extra_rows.append((f"the floor under that row: loop CPU per token that only wakes on the engine's frame and "
+                           f"writes one prebuilt event to a loopback client (`bench.loop_floor`, median of "
+                           f"{floor['rounds']} rounds paired with the server's)",
+                           f"{floor['floor_cpu_ms']:.3f} ms = {floor['floor_pct']:.1f} % (server "
+                           f"{floor['server_cpu_ms']:.3f} ms = {floor['server_pct']:.1f} %)", "-", "-",
+                           "< 2 % of a decode step"))
+    elif floor:
+        notes.append(f"loop floor run failed: {floor.get('error', '')[:200]}")
     name1 = "1 stream, short prompt" if "1 stream, short prompt" in ours.loads else "1 stream"
     if single is not None and ours.cpu_s.get(name1):
         main_cpu, all_cpu = ours.main_cpu_s[name1], ours.cpu_s[name1]
