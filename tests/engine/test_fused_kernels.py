@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -86,6 +87,16 @@ def test_decode_attention_is_the_masked_sdpa(ops, positions: list[int]) -> None:
                                           v_cache[slots, :, :length].float(), attn_mask=mask,
                                           enable_gqa=True).to(torch.bfloat16).view(2, NH * HS)
     _within_a_step(ops.decode_attention(q, k_cache, v_cache, slots, pos), want)
+
+
+def test_the_attention_threads_where_torch_has_openmp(ops) -> None:  # type: ignore[no-untyped-def]
+    """``at::parallel_for`` in a library built without ``-fopenmp`` runs its whole range on the calling thread:
+    long contexts then took the attention on one core (16.4 against 12.7 ms a step at 1500 tokens)."""
+    name, flags = kernels.build_target()
+    library = (kernels.build_directory(name) / f"{name}.so").read_bytes()
+    threaded = sys.platform.startswith("linux") and torch.backends.openmp.is_available()
+    assert ("-fopenmp" in flags) == threaded
+    assert (b"GOMP_parallel" in library) == threaded  # the parallel region is an OpenMP one
 
 
 def test_kernels_refuse_what_they_cannot_read(ops) -> None:  # type: ignore[no-untyped-def]

@@ -184,7 +184,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
     }
   };
   // a few heads over a short context take microseconds: threads only where there is real work
-  if (B * nh * longest * hs < (1 << 18)) {
+  if (B * nh * longest * hs < (1 << 15)) {
     heads(0, B * nkv);
   } else {
     at::parallel_for(0, B * nkv, 1, heads);

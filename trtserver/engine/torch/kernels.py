@@ -49,6 +49,8 @@ def build_target() -> tuple[str, list[str]]:
     torch's version: a home directory shared by different machines or environments never hands one a
     library built for another."""
     flags = ["-O3", "-fopenmp-simd"]
+    if sys.platform.startswith("linux") and torch.backends.openmp.is_available():
+        flags.append("-fopenmp")  # at::parallel_for (the attention over long contexts) runs on one thread without it
     key = [SOURCE.read_bytes(), torch.__version__.encode(), str(torch.compiled_with_cxx11_abi()).encode()]
     cpuinfo = Path("/proc/cpuinfo")
     if platform.machine() in ("x86_64", "AMD64") and cpuinfo.exists():
@@ -89,7 +91,8 @@ def build(*, verbose: bool = False) -> Path:
         lock.unlink(missing_ok=True)
     _ninja_on_path()
     compile_and_load(name=name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(directory),
-                     is_python_module=False, verbose=verbose)
+                     extra_ldflags=[flag for flag in flags if flag == "-fopenmp"], is_python_module=False,
+                     verbose=verbose)
     return directory / f"{name}.so"
 
 
