@@ -76,17 +76,26 @@ def test_rope_cache_rotates_and_writes_exactly_where_asked(ops) -> None:  # type
         ops.decode_attention(q, k_cache, v_cache, slots, positions[:1])
 
 
-@pytest.mark.parametrize("positions", [[7, 20], [300, 2]], ids=["short", "long-threaded"])
-def test_decode_attention_is_the_masked_sdpa(ops, positions: list[int]) -> None:  # type: ignore[no-untyped-def]
-    k_cache, v_cache = _bf16(5, NKV, 320, HS, seed=1), _bf16(5, NKV, 320, HS, seed=2)
-    q, slots, pos = _bf16(2, NH, HS, seed=3), torch.tensor([3, 1]), torch.tensor(positions)
+@pytest.mark.parametrize(("positions", "n_kv"), [([7, 20], NKV), ([300, 2], NKV), ([300], NKV), ([300, 2], 1)],
+                         ids=["short", "long-threaded", "one-row-split", "split-with-an-empty-part"])
+def test_decode_attention_is_the_masked_sdpa(ops, positions: list[int], n_kv: int) -> None:  # type: ignore[no-untyped-def]
+    """Long contexts split their positions across threads when rows x kv heads are too few to go round (one row:
+    3 kv heads for 2 threads); a short row's part of a split can be empty."""
+    B = len(positions)
+    k_cache, v_cache = _bf16(5, n_kv, 320, HS, seed=1), _bf16(5, n_kv, 320, HS, seed=2)
+    q, slots, pos = _bf16(B, NH, HS, seed=3), torch.tensor([3, 1][:B]), torch.tensor(positions)
     length = max(positions) + 1
-    visible = (torch.arange(length) <= pos.view(2, 1)).view(2, 1, 1, length)
+    visible = (torch.arange(length) <= pos.view(B, 1)).view(B, 1, 1, length)
     mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-    want = F.scaled_dot_product_attention(q.view(2, NH, 1, HS).float(), k_cache[slots, :, :length].float(),
+    want = F.scaled_dot_product_attention(q.view(B, NH, 1, HS).float(), k_cache[slots, :, :length].float(),
                                           v_cache[slots, :, :length].float(), attn_mask=mask,
-                                          enable_gqa=True).to(torch.bfloat16).view(2, NH * HS)
-    _within_a_step(ops.decode_attention(q, k_cache, v_cache, slots, pos), want)
+                                          enable_gqa=True).to(torch.bfloat16).view(B, NH * HS)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _within_a_step(ops.decode_attention(q, k_cache, v_cache, slots, pos), want)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_attention_threads_where_torch_has_openmp(ops) -> None:  # type: ignore[no-untyped-def]

@@ -6,6 +6,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -24,6 +28,58 @@ inline float f(BFloat16 v) {  // exact: bfloat16 is the top half of a float32, a
   return out;
 }
 inline BFloat16 bf(float v) { return BFloat16(v); }  // round to nearest even, as ATen's casts
+
+// A softmax row in place, less its normalisation: e^(x - best) for each x, returning their sum. With AVX-512,
+// e^x is Cody-Waite's reduction to x = n ln 2 + r, Cephes' polynomial for e^r and vscalefps for 2^n, 16 at a
+// time (within ~2 ulp); std::exp, a scalar call, was half of the attention's time over long contexts.
+float exp_row(float* x, int64_t n, float best) {
+  int64_t t = 0;
+  float total = 0.f;
+#if defined(__AVX512F__)
+  const __m512 top = _mm512_set1_ps(best);
+  __m512 sum = _mm512_setzero_ps();
+  for (; t < n; t += 16) {
+    const __mmask16 live = n - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1);
+    __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, x + t), top), _mm512_set1_ps(-87.f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v);
+    v = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), v);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, v), v, v), _mm512_set1_ps(1.f));
+    const __m512 e = _mm512_scalef_ps(p, k);
+    _mm512_mask_storeu_ps(x + t, live, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(live, e));
+  }
+  total = _mm512_reduce_add_ps(sum);
+#else
+  for (; t < n; ++t) {
+    x[t] = std::exp(x[t] - best);
+    total += x[t];
+  }
+#endif
+  return total;
+}
+
+// q . k for one query head and one key row, both float32 of length hs.
+inline float dot(const float* q, const float* k, int64_t hs) {
+#if defined(__AVX512F__)
+  if (hs % 16 == 0) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+    for (int64_t i = 16; i < hs; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), acc);
+    return _mm512_reduce_add_ps(acc);  // a tree; the simd loop's own epilogue added 16 lanes one by one
+  }
+#endif
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t i = 0; i < hs; ++i) total += q[i] * k[i];
+  return total;
+}
 
 void check_bf16(const Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(), name,
@@ -140,54 +196,74 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   BFloat16* op = out.mutable_data_ptr<BFloat16>();
   const int64_t group = nh / nkv;
   const float scale = 1.f / std::sqrt(static_cast<float>(hs));
-  // one task per (row, kv head): its `group` query heads read each key and value row once
-  auto heads = [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * longest), query(group * hs), acc(group * hs), row(hs);
+  // Tasks: (row, kv head, split of the positions); a task's `group` query heads read each key and value row
+  // once. Few rows and kv heads would leave threads idle (1 row of SmolLM2: 3 tasks for 2 threads), so the
+  // positions are split until there are two tasks per thread, each of at least 64 positions; each split keeps
+  // its own maximum, sum and weighted values, merged after (flash-decoding). A few heads over a short context
+  // take microseconds: threads only where there is real work.
+  const int64_t pairs = B * nkv;
+  const bool threaded = B * nh * longest * hs >= (1 << 15);
+  const int64_t threads = threaded ? at::get_num_threads() : 1;
+  const int64_t splits = pairs >= 2 * threads ? 1 : std::max<int64_t>(1, std::min((2 * threads + pairs - 1) / pairs,
+                                                                                   longest / 64));
+  const int64_t chunk = (longest + splits - 1) / splits;
+  std::vector<float> part_max(pairs * splits * group), part_sum(pairs * splits * group);
+  std::vector<float> part_acc(pairs * splits * group * hs);
+  auto tasks = [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * chunk), query(group * hs), row(hs);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / nkv, kv = task % nkv, n = pp[b] + 1;
+      const int64_t pair = task / splits, b = pair / nkv, kv = pair % nkv, n = pp[b] + 1;
+      const int64_t t0 = std::min(n, (task % splits) * chunk), t1 = std::min(n, t0 + chunk);
       const int64_t base = (sp[b] * nkv + kv) * P * hs;
       const BFloat16* qb = qp + (b * nh + kv * group) * hs;
       for (int64_t i = 0; i < group * hs; ++i) query[i] = f(qb[i]);
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = t0; t < t1; ++t) {
         const BFloat16* k = kc + base + t * hs;
         for (int64_t i = 0; i < hs; ++i) row[i] = f(k[i]);
-        for (int64_t j = 0; j < group; ++j) {
-          const float* qj = query.data() + j * hs;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < hs; ++i) dot += qj[i] * row[i];
-          scores[j * longest + t] = dot * scale;
-        }
+        for (int64_t j = 0; j < group; ++j) scores[j * chunk + t - t0] = dot(query.data() + j * hs, row.data(), hs) * scale;
       }
       for (int64_t j = 0; j < group; ++j) {
-        float* sj = scores.data() + j * longest;
-        float best = -INFINITY, total = 0.f;
-        for (int64_t t = 0; t < n; ++t) best = std::max(best, sj[t]);
-        for (int64_t t = 0; t < n; ++t) {
-          sj[t] = std::exp(sj[t] - best);
-          total += sj[t];
-        }
-        for (int64_t t = 0; t < n; ++t) sj[t] /= total;
+        float* sj = scores.data() + j * chunk;
+        float best = -INFINITY;
+        for (int64_t t = 0; t < t1 - t0; ++t) best = std::max(best, sj[t]);
+        part_max[task * group + j] = best;  // -inf for an empty split: it weighs nothing in the merge
+        part_sum[task * group + j] = t1 > t0 ? exp_row(sj, t1 - t0, best) : 0.f;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {
+      float* acc = part_acc.data() + task * group * hs;
+      std::fill(acc, acc + group * hs, 0.f);
+      for (int64_t t = t0; t < t1; ++t) {
         const BFloat16* v = vc + base + t * hs;
         for (int64_t i = 0; i < hs; ++i) row[i] = f(v[i]);
         for (int64_t j = 0; j < group; ++j) {
-          const float p = scores[j * longest + t];
-          float* aj = acc.data() + j * hs;
+          const float p = scores[j * chunk + t - t0];
+          float* aj = acc + j * hs;
           for (int64_t i = 0; i < hs; ++i) aj[i] += p * row[i];
         }
       }
-      BFloat16* ob = op + (b * nh + kv * group) * hs;
-      for (int64_t i = 0; i < group * hs; ++i) ob[i] = bf(acc[i]);
     }
   };
-  // a few heads over a short context take microseconds: threads only where there is real work
-  if (B * nh * longest * hs < (1 << 15)) {
-    heads(0, B * nkv);
+  if (threaded) {
+    at::parallel_for(0, pairs * splits, 1, tasks);
   } else {
-    at::parallel_for(0, B * nkv, 1, heads);
+    tasks(0, pairs * splits);
+  }
+  std::vector<float> merged(hs);
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const int64_t b = pair / nkv, kv = pair % nkv;
+    for (int64_t j = 0; j < group; ++j) {
+      float best = -INFINITY, total = 0.f;
+      for (int64_t s = 0; s < splits; ++s) best = std::max(best, part_max[(pair * splits + s) * group + j]);
+      std::fill(merged.begin(), merged.end(), 0.f);
+      for (int64_t s = 0; s < splits; ++s) {
+        const int64_t at = (pair * splits + s) * group + j;
+        const float w = std::exp(part_max[at] - best);
+        total += w * part_sum[at];
+        const float* acc = part_acc.data() + at * hs;
+        for (int64_t i = 0; i < hs; ++i) merged[i] += w * acc[i];
+      }
+      BFloat16* ob = op + (b * nh + (kv * group + j)) * hs;
+      for (int64_t i = 0; i < hs; ++i) ob[i] = bf(merged[i] / total);
+    }
   }
   return out;
 }
