@@ -19,7 +19,7 @@ from tests.engine.test_model_families import make_checkpoint
 from tests.engine.test_scripted_decode import MAX_LEN, _run_both
 from trtserver.engine.torch import kernels, scripted
 from trtserver.engine.torch.cache import KVCache
-from trtserver.engine.torch.cpu_weights import Int4Head, cpu_has_int8_dot, pack_for_cpu, quantize_weights
+from trtserver.engine.torch.cpu_weights import pack_for_cpu, quantize_weights
 from trtserver.engine.torch.model import Transformer, apply_rope, load_model
 
 NH, NKV, HS = 9, 3, 64
@@ -151,41 +151,6 @@ def test_fused_decode_follows_the_eager_layers(smol_fused: Transformer, slots: l
                                                small: bool) -> None:
     want, got, eager_cache, fused_cache = _run_both(smol_fused, slots, positions, small=small)
     _agree(smol_fused, slots, positions, want, got, eager_cache, fused_cache)
-
-
-def test_the_int4_head_ranks_with_int8_activations_and_scores_its_best_exactly(smol_fused: Transformer,
-                                                                                ops) -> None:  # type: ignore[no-untyped-def]
-    """``int4_scores`` (one or two rows; AVX-512 VNNI) only ranks the vocabulary for the head: the rows it puts in
-    the best ``REFINE`` are scored again in bfloat16, so the likely tokens' logits are ATen's path's."""
-    head = smol_fused.output
-    assert isinstance(head, Int4Head)
-    if not cpu_has_int8_dot():  # then the head keeps ATen's kernel
-        assert head.packed8.numel() == 0
-        return
-    packed8, generator = head.packed8, torch.Generator().manual_seed(5)
-    assert packed8.shape == (49152 // 16, 576 * 8)
-    try:
-        head.kernels.small = True
-        for rows in (1, 2, 3):
-            x = (torch.randn(rows, 576, generator=generator) * 2).to(torch.bfloat16)
-            x[:, ::64] *= 10  # outlier channels, as a transformer's
-            aten = torch._weight_int4pack_mm_for_cpu(x, head.packed, 32, head.scales_zeros)
-            rough = ops.int4_scores(x, head.packed, head.scales_zeros, packed8)
-            if rows > 2:  # ATen's kernel serves more rows
-                assert torch.equal(rough, aten)
-            else:
-                error = (rough.float() - aten.float()).norm(dim=-1) / aten.float().norm(dim=-1)
-                assert (error < 0.03).all() and not torch.equal(rough, aten), error
-            with torch.inference_mode():
-                got = head(x)
-                head.packed8 = torch.empty(0, dtype=torch.uint8)
-                want = head(x)
-                head.packed8 = packed8
-            best = want.topk(20, dim=-1)
-            assert torch.equal(got.argmax(-1), want.argmax(-1))
-            assert torch.allclose(got.gather(1, best.indices).float(), best.values.float(), rtol=0, atol=1e-6)
-    finally:
-        head.kernels.small = False
 
 
 @pytest.mark.parametrize(("slots", "positions"), CASES)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trtserver.engine.torch.cpu_weights import Int4Head, Int4Linear, rank_scores
+from trtserver.engine.torch.cpu_weights import Int4Head, Int4Linear
 from trtserver.engine.torch.model import KernelSwitch
 
 
@@ -51,10 +51,7 @@ def test_refined_head_keeps_the_bfloat16_logits_of_its_best_tokens() -> None:
     # the tokens that can win have their bfloat16 logits (up to the output's bfloat16 rounding) ...
     assert torch.allclose(got.gather(1, best), dense.gather(1, best), rtol=1e-2, atol=1e-2)
     assert torch.equal(got.argmax(-1), dense.argmax(-1))
-    # ... and the rest keep the ranking pass's approximation (int4_scores where the fused kernels are loaded and
-    # the CPU has AVX-512 VNNI, else ATen's int4 kernel, as Int4Linear's)
-    rough = rank_scores(x.view(2, dim), head.packed, head.scales_zeros, head.packed8).float()
-    if head.packed8.numel() == 0:
-        assert torch.equal(rough, Int4Linear(lin, switch)(x).float().view(2, vocab))
-    rest = torch.ones_like(got, dtype=torch.bool).scatter_(1, rough.topk(Int4Head.REFINE, dim=-1).indices, False)
-    assert torch.equal(got[rest], rough[rest])
+    # ... and the rest keep the int4 kernel's approximation
+    plain = Int4Linear(lin, switch)(x).float().view(2, vocab)
+    rest = torch.ones_like(got, dtype=torch.bool).scatter_(1, plain.topk(Int4Head.REFINE, dim=-1).indices, False)
+    assert torch.equal(got[rest], plain[rest])

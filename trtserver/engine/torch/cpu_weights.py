@@ -6,8 +6,6 @@ pre-packed bfloat16 copy for prefill and larger batches.
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
 from typing import cast
 
 import torch
@@ -73,16 +71,12 @@ class Int4Linear(nn.Module):
         scale = ((hi - lo) / 15).clamp(min=1e-10)
         q = ((groups - lo) / scale).round().clamp(0, 15).to(torch.int32).view(N, K)
         self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-        self._more_layouts(q)
         zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
         self.scales_zeros = torch.stack([scale.view(N, K // g).t(), zero.view(N, K // g).t()], -1) \
             .contiguous().to(torch.bfloat16)  # (K / g, N, 2)
         self.bias = linear.bias
         self.out_features = N
         self.dense: nn.Module = PackedLinear(linear) if can_pack_for_cpu() else linear
-
-    def _more_layouts(self, q: Tensor) -> None:
-        """Where a subclass keeps the same int4 values ``q`` (N, K) in layouts of its own."""
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.kernels.small:
@@ -107,20 +101,12 @@ class Int4Head(Int4Linear):
         super().__init__(linear, kernels)
         self.weight = linear.weight  # (V, dim); shared with the embedding table when tied
 
-    def _more_layouts(self, q: Tensor) -> None:
-        # the same weights for the fused kernels' ranking pass (kernels.cpp, int4_scores); empty where it cannot run
-        N, K = q.shape
-        self.packed8 = pack_rows8(q) if N % 16 == 0 and K % self.GROUP == 0 and cpu_has_int8_dot() \
-            else torch.empty(0, dtype=torch.uint8)
-
     def forward(self, x: Tensor) -> Tensor:
+        y = super().forward(x)
         if not self.kernels.small:
-            return self.dense.forward(x)  # the bfloat16 GEMM: exact already
+            return y  # the bfloat16 GEMM already
         rows = x.numel() // x.shape[-1]
-        y = rank_scores(x.reshape(rows, x.shape[-1]), self.packed, self.scales_zeros, self.packed8)
-        if self.bias is not None:
-            y = y + self.bias
-        flat, xs = y, x.reshape(rows, 1, x.shape[-1])
+        flat, xs = y.view(rows, self.out_features), x.reshape(rows, 1, x.shape[-1])
         best = flat.topk(self.REFINE, dim=-1, sorted=False).indices  # (rows, REFINE)
         # index_select, not weight[best]: advanced indexing took twice as long here (360 vs 187 µs
         # for this whole line at one row, in a decode step)
@@ -129,40 +115,7 @@ class Int4Head(Int4Linear):
         if self.bias is not None:
             exact += self.bias[best]
         flat.scatter_(1, best, exact.to(flat.dtype))
-        return y.view(*x.shape[:-1], self.out_features)
-
-
-def rank_scores(x: Tensor, packed: Tensor, scales_zeros: Tensor, packed8: Tensor) -> Tensor:
-    """The head's ranking pass: ``int4_scores`` (int8 activations) where the fused kernels are loaded, else ATen's
-    kernel. The whole head at one row: 1074 against 1306 µs; at two, even (``bench.int4_gemv`` has the kernels
-    alone)."""
-    if packed8.numel():
-        try:
-            return cast("Tensor", torch.ops.trtserver.int4_scores(x, packed, scales_zeros, packed8))
-        except (AttributeError, RuntimeError):  # the kernels are not loaded (no compiler)
-            pass
-    return torch._weight_int4pack_mm_for_cpu(x, packed, Int4Linear.GROUP, scales_zeros)
-
-
-def pack_rows8(q: Tensor) -> Tensor:
-    """int4 values ``q`` (N, K), 0..15, in the layout of ``kernels.cpp``'s ``int4_scores``: blocks of 16 rows, then
-    groups of 32 along K, four 64-byte chunks a group, whose byte 4r + j holds row r's column 8c + j in its low
-    nibble and column 8c + 4 + j in its high one."""
-    N, K = q.shape
-    qc = q.view(N // 16, 16, K // 32, 4, 2, 4)  # (block, row, group, chunk, nibble, j)
-    byte = (qc[:, :, :, :, 0] | (qc[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
-    return byte.to(torch.uint8).contiguous().view(N // 16, K * 8)
-
-
-@functools.cache
-def cpu_has_int8_dot() -> bool:
-    """The fused kernels are built for this CPU (``-march=native``, Linux); ``int4_scores`` needs AVX-512 VNNI,
-    BW and BF16."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        return False
-    flags = next((line for line in cpuinfo.read_text(errors="replace").splitlines() if line.startswith("flags")), "")
-    return {"avx512_vnni", "avx512bw", "avx512_bf16"} <= set(flags.split())
+        return y
 
 
 class Int8Linear(nn.Module):

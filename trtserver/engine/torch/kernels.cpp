@@ -268,89 +268,6 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   return out;
 }
 
-
-// The int4 output head's first pass (cpu_weights.Int4Head), which only ranks the vocabulary: its best rows are
-// scored again in bfloat16 after. ATen's _weight_int4pack_mm_for_cpu is compute-bound here (it dequantizes to
-// float for FMAs); this one quantizes the 1-2 rows of x to int8 per group of 32 (as llama.cpp does) and feeds
-// vpdpbusd, 64 products an instruction, keeping 16 vocabulary rows in the lanes of a register. Integer sums are
-// exact; the activations' rounding costs ~1e-2 relative in a logit, which only the ranking sees. packed8
-// (N / 16, K / 2) bytes: chunk c (64 bytes) of group g of row block b holds, at byte 4r + j, q[16b + r, 32g + 8c + j]
-// in its low nibble and q[16b + r, 32g + 8c + 4 + j] in its high one (cpu_weights.pack_rows8); scales_zeros as
-// ATen's ((K / 32, N, 2): w = (q - 8) * scale + zero). An empty packed8, or a CPU without AVX-512 VNNI and BF16,
-// takes ATen's.
-Tensor int4_scores(const Tensor& x, const Tensor& packed, const Tensor& scales_zeros, const Tensor& packed8) {
-  const int64_t K = x.size(-1), M = x.numel() / K, N = scales_zeros.size(1), G = K / 32;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-  if (M >= 1 && M <= 2 && packed8.numel() == N * K / 2 && x.scalar_type() == at::kBFloat16 && N % 16 == 0 &&
-      K % 32 == 0) {
-    check_bf16(scales_zeros, "int4_scores scales_zeros");
-    TORCH_CHECK(packed8.scalar_type() == at::kByte && packed8.is_contiguous(), "int4_scores: packed8 is uint8");
-    const Tensor xc = x.contiguous();
-    const BFloat16* xp = xc.const_data_ptr<BFloat16>();
-    std::vector<int8_t> xq(M * K);
-    std::vector<float> step(M * G), step_sum(M * G);  // per row and group: the int8 step, and step * sum(xq)
-    for (int64_t m = 0; m < M; ++m) {
-      for (int64_t g = 0; g < G; ++g) {
-        const BFloat16* xg = xp + m * K + g * 32;
-        float amax = 0.f;
-        for (int64_t i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(f(xg[i])));
-        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-        int32_t sum = 0;
-        for (int64_t i = 0; i < 32; ++i) {
-          const int v = static_cast<int>(std::nearbyint(f(xg[i]) * inv));
-          xq[m * K + g * 32 + i] = static_cast<int8_t>(v);
-          sum += v;
-        }
-        step[m * G + g] = d;
-        step_sum[m * G + g] = d * static_cast<float>(sum);
-      }
-    }
-    Tensor y = at::empty({M, N}, x.options());
-    const uint8_t* wp = packed8.const_data_ptr<uint8_t>();
-    const uint32_t* sz = reinterpret_cast<const uint32_t*>(scales_zeros.const_data_ptr<BFloat16>());
-    uint16_t* yp = reinterpret_cast<uint16_t*>(y.mutable_data_ptr<BFloat16>());
-    at::parallel_for(0, N / 16, 1, [&](int64_t b0, int64_t b1) {
-      const __m512i nibble = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-      for (int64_t b = b0; b < b1; ++b) {
-        __m512 total[4];
-        for (int64_t m = 0; m < M; ++m) total[m] = _mm512_setzero_ps();
-        const uint8_t* w = wp + b * 16 * K / 2;
-        for (int64_t g = 0; g < G; ++g) {
-          __m512i lo_sum[4], hi_sum[4];
-          for (int64_t m = 0; m < M; ++m) lo_sum[m] = hi_sum[m] = _mm512_setzero_si512();
-          for (int64_t c = 0; c < 4; ++c, w += 64) {
-            const __m512i v = _mm512_loadu_si512(w);
-            const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-            for (int64_t m = 0; m < M; ++m) {
-              const int* xk = reinterpret_cast<const int*>(xq.data() + m * K + g * 32 + 8 * c);
-              lo_sum[m] = _mm512_dpbusd_epi32(lo_sum[m], lo, _mm512_set1_epi32(xk[0]));
-              hi_sum[m] = _mm512_dpbusd_epi32(hi_sum[m], hi, _mm512_set1_epi32(xk[1]));
-            }
-          }
-          const __m512i pair = _mm512_loadu_si512(sz + g * N + b * 16);  // (scale, zero) of 16 rows
-          const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-          const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale,
-                                                 _mm512_castsi512_ps(_mm512_and_si512(pair, high)));  // zero - 8 scale
-          for (int64_t m = 0; m < M; ++m) {
-            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_sum[m], hi_sum[m]));  // sum of q * xq
-            total[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(step[m * G + g])), total[m]);
-            total[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(step_sum[m * G + g]), total[m]);
-          }
-        }
-        for (int64_t m = 0; m < M; ++m)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + m * N + b * 16), (__m256i)_mm512_cvtneps_pbh(total[m]));
-      }
-    });
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = N;
-    return y.view(shape);
-  }
-#endif
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return at::_weight_int4pack_mm_for_cpu(x.reshape({M, K}), packed, 32, scales_zeros).view(shape);
-}
-
 }  // namespace
 
 TORCH_LIBRARY(trtserver, m) {
@@ -359,5 +276,4 @@ TORCH_LIBRARY(trtserver, m) {
         "Tensor positions, int n_heads, int n_kv_heads) -> Tensor", &rope_cache);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor positions) -> Tensor",
         &decode_attention);
-  m.def("int4_scores(Tensor x, Tensor packed, Tensor scales_zeros, Tensor packed8) -> Tensor", &int4_scores);
 }
