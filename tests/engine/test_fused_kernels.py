@@ -98,6 +98,15 @@ def test_decode_attention_is_the_masked_sdpa(ops, positions: list[int], n_kv: in
         torch.set_num_threads(threads)
 
 
+def test_decode_attention_keeps_a_nan_where_sdpa_does(ops) -> None:  # type: ignore[no-untyped-def]
+    """The vectorised softmax clamps its exponents; a NaN score must not be clamped into a number."""
+    k_cache, v_cache = _bf16(1, NKV, 128, HS, seed=1), _bf16(1, NKV, 128, HS, seed=2)
+    k_cache[0, 0, 5, 0] = float("nan")
+    out = ops.decode_attention(_bf16(1, NH, HS, seed=3), k_cache, v_cache, torch.tensor([0]), torch.tensor([100]))
+    group = NH // NKV
+    assert out.view(NH, HS)[:group].isnan().all() and out.view(NH, HS)[group:].isfinite().all()
+
+
 def test_the_attention_threads_where_torch_has_openmp(ops) -> None:  # type: ignore[no-untyped-def]
     """``at::parallel_for`` in a library built without ``-fopenmp`` runs its whole range on the calling thread:
     long contexts then took the attention on one core (16.4 against 12.7 ms a step at 1500 tokens)."""

@@ -40,7 +40,9 @@ float exp_row(float* x, int64_t n, float best) {
   __m512 sum = _mm512_setzero_ps();
   for (; t < n; t += 16) {
     const __mmask16 live = n - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1);
-    __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, x + t), top), _mm512_set1_ps(-87.f));
+    // clamped where 2^n would leave float's exponent; max_ps returns its second operand where either is NaN: a NaN
+    // score stays NaN, as std::exp keeps it
+    __m512 v = _mm512_max_ps(_mm512_set1_ps(-87.f), _mm512_sub_ps(_mm512_maskz_loadu_ps(live, x + t), top));
     const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     v = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v);
