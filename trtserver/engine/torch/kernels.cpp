@@ -68,15 +68,9 @@ float exp_row(float* x, int64_t n, float best) {
   return total;
 }
 
-// q . k for one query head and one key row, both float32 of length hs.
+// q . k for one query head and one key row, both float32 of length hs (with AVX-512, only the last few keys of a
+// task: dot4 takes the rest).
 inline float dot(const float* q, const float* k, int64_t hs) {
-#if defined(__AVX512F__)
-  if (hs % 16 == 0) {
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
-    for (int64_t i = 16; i < hs; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), acc);
-    return _mm512_reduce_add_ps(acc);  // a tree; the simd loop's own epilogue added 16 lanes one by one
-  }
-#endif
   float total = 0.f;
 #pragma omp simd reduction(+ : total)
   for (int64_t i = 0; i < hs; ++i) total += q[i] * k[i];
