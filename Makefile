@@ -11,7 +11,7 @@ PORT ?= 8000
 PLUGINS := $(wildcard plugins/*/pyproject.toml)
 PYTEST_ARGS ?=
 
-.PHONY: install engines serve test test-unit lint bench gpu-check clean
+.PHONY: install engines serve test test-unit lint bench gpu-check devkit clean
 
 install: $(VENV)/.installed
 
@@ -45,6 +45,10 @@ bench: engines
 
 gpu-check: install
 	$(PY) bench/gpu_check.py
+
+# for a lent GPU machine with no network: wheels and the model in two parts (README, "The GPU check on a lent machine")
+devkit: install
+	$(PY) -m bench.device_kit
 
 clean:
 	rm -rf $(VENV) engines .cache
