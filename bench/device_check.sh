@@ -41,7 +41,7 @@ run() {
         --start-timeout "$START_S" --test-timeout "$TESTS_S" 2>&1 | tee "$OUT/gpu_check.log" || code=1
     cp "$(grep -o '/[^ ]*gpu-check-server-[^ ]*\.log' "$OUT/gpu_check.log" | tail -1)" "$OUT/server.log" 2>/dev/null
     if [ "$cuda" = 1 ]; then
-        timeout $((HARNESS_MIN * 60 + 180)) "$PY" -u -m bench.harness --device cuda --no-profile \
+        timeout $((HARNESS_MIN * 60 + 120)) "$PY" -u -m bench.harness --device cuda --no-profile \
             --max-minutes "$HARNESS_MIN" --results "$OUT/RESULTS-gpu.md" 2>&1 | tee "$OUT/harness.log" || code=1
     else
         echo "run: no CUDA device: bench.harness --device cuda skipped (the rest ran on the CPU)"
