@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 PY=${PYTHON:-python3}
 KIT=${DEVKIT:-.devkit}  # what `make devkit` wrote
-STASH=${DEVKIT_STASH:-$HOME/trtserver-devkit}  # outside the checkout: it outlives a call on a warm machine
+STASH=${DEVKIT_STASH:-${HOME:-/root}/trtserver-devkit}  # outside the checkout: it outlives a call on a warm machine
 OUT=${OUT:-$PWD/bench/out/device}
 BUILD_S=${BUILD_S:-150} START_S=${START_S:-120} TESTS_S=${TESTS_S:-210} HARNESS_MIN=${HARNESS_MIN:-3}
 mkdir -p "$OUT"
