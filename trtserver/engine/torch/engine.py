@@ -207,6 +207,8 @@ class TorchEngine:
             # oneDNN caches a primitive per GEMM shape (1024 by default); with ever-new batch and chunk
             # shapes that cache is what grew RSS under a soak. 256 holds the decode working set.
             os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
+        elif self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # graphs capture and replay on the current device's streams
         threads = self._threads()
         if threads is not None:
             torch.set_num_threads(threads[0])
@@ -243,7 +245,7 @@ class TorchEngine:
         if self.device.type == "cuda" and self.config.cuda_graphs:
             from trtserver.engine.torch.graphs import capture_decode_graphs
 
-            capture_decode_graphs(self.core)
+            capture_decode_graphs(self.core, all_rows=self.config.batch_invariant)
         log.info("torch engine: %s on %s as %s, %d slots x %d positions, loaded in %.1fs", self.path.name,
                  self.device, str(dtype).removeprefix("torch."), self.config.max_batch_size,
                  self.max_model_len, time.perf_counter() - t0)

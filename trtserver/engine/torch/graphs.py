@@ -1,11 +1,14 @@
 """CUDA graphs for the batched decode step (CUDA only; the CPU path never imports this).
 
-Decode on a GPU is bound by reading weights, so running every slot costs about what running
-one does. A captured step therefore always covers all ``num_slots`` rows, row ``s`` being slot
-``s``: the K/V cache is read through a view (no gather), and idle rows decode a dummy token
-into the cache's scratch position, which nothing reads. One graph per attention length bucket
-(powers of two up to ``max_len``), all sharing one memory pool; a step replays the smallest
-bucket that covers its longest sequence and picks its rows out of the logits.
+A captured step covers the first ``rows`` slots, row ``s`` being slot ``s``: the K/V cache is read
+through a view (no gather), and rows whose slot has nothing to decode write a dummy token into the
+cache's scratch position, which nothing reads. One graph per (rows, attention length) bucket, both
+powers of two up to ``num_slots`` and ``max_len``, all sharing one memory pool. A step replays the
+smallest bucket that holds its highest slot and its longest sequence, and picks its rows out of the
+logits. The scheduler hands out the lowest free slot, so a batch of ``b`` sits in about the first
+``b`` slots: one stream reads its own keys, not every slot's (at 64 slots and 256 positions that is
+377 MB a step for SmolLM2-135M, more than its 269 MB of weights). With ``batch_invariant`` every
+step runs all slots, so the matmuls keep one shape whatever the batch.
 """
 
 from __future__ import annotations
@@ -24,9 +27,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+Bucket = tuple[int, int]  # (rows, attention length)
+
+
+def powers_of_two(low: int, high: int) -> list[int]:
+    """low, 2 low, 4 low, ... below ``high``, then ``high``."""
+    out, b = [], low
+    while b < high:
+        out.append(b)
+        b *= 2
+    return [*out, high]
+
 
 class DecodeGraphs:
-    def __init__(self, core: EngineCore, min_bucket: int = 256) -> None:
+    def __init__(self, core: EngineCore, min_length: int = 256, all_rows: bool = False) -> None:
         self.core = core
         cache, device = core.cache, core.device
         self.num_slots, self.max_len = cache.num_slots, cache.max_len
@@ -34,59 +48,75 @@ class DecodeGraphs:
         self.tokens = torch.zeros((S, 1), dtype=torch.long, device=device)
         self.pos = torch.full((S, 1), cache.scratch_pos, dtype=torch.long, device=device)
         self.slots = torch.arange(S, device=device)
-        buckets, b = [], min_bucket
-        while b < self.max_len:
-            buckets.append(b)
-            b *= 2
-        self.buckets = [*buckets, self.max_len]
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, Tensor] = {}
+        self.row_buckets = [S] if all_rows else powers_of_two(1, S)
+        self.length_buckets = powers_of_two(min_length, self.max_len)
+        self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[Bucket, Tensor] = {}
 
-    def _step(self, length: int) -> Tensor:
-        core = self.core
-        S = self.num_slots
-        mask = (core._positions[:length] <= self.pos).view(S, 1, 1, length)  # (S, 1, 1, L)
-        ctx = ForwardContext(self.pos, self.slots, 0, length, mask)
-        hidden = core.model(self.tokens, ctx, core.cache)  # (S, 1, dim)
-        return core.model.logits(hidden[:, 0])  # (S, V)
+    def _step(self, bucket: Bucket) -> Tensor:
+        rows, length = bucket
+        core, pos = self.core, self.pos[:rows]
+        mask = (core._positions[:length] <= pos).view(rows, 1, 1, length)  # (rows, 1, 1, L)
+        ctx = ForwardContext(pos, self.slots[:rows], 0, length, mask)
+        hidden = core.model(self.tokens[:rows], ctx, core.cache)  # (rows, 1, dim)
+        return core.model.logits(hidden[:, 0])  # (rows, V)
 
     @torch.inference_mode()
     def capture(self) -> None:
         pool = None
-        for length in sorted(self.buckets, reverse=True):  # largest first: the pool fits them all
+        buckets = [(r, n) for r in self.row_buckets for n in self.length_buckets]
+        for bucket in sorted(buckets, reverse=True):  # largest first: the pool fits them all
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._step(length)
+                    self._step(bucket)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[length] = self._step(length)
+                self.logits[bucket] = self._step(bucket)
             pool = graph.pool()
-            self.graphs[length] = graph
+            self.graphs[bucket] = graph
         torch.cuda.synchronize()
-        log.info("captured %d decode CUDA graphs (%d slots; lengths %s)", len(self.graphs), self.num_slots,
-                 self.buckets)
+        log.info("captured %d decode CUDA graphs (rows %s; lengths %s)", len(self.graphs), self.row_buckets,
+                 self.length_buckets)
 
-    def decode(self, seqs: list[Sequence]) -> Tensor:
-        S, scratch = self.num_slots, self.core.cache.scratch_pos
-        tokens, pos = [0] * S, [scratch] * S
+    def bucket(self, seqs: list[Sequence]) -> Bucket:
+        top = max(seq.slot for seq in seqs) + 1
+        need = max(seq.num_cached for seq in seqs) + 1
+        return next(r for r in self.row_buckets if r >= top), next(n for n in self.length_buckets if n >= need)
+
+    def load_inputs(self, seqs: list[Sequence]) -> Bucket:
+        """Write the step's tokens and positions into the graphs' input buffers; return its bucket."""
+        bucket = self.bucket(seqs)
+        rows, scratch = bucket[0], self.core.cache.scratch_pos
+        tokens, pos = [0] * rows, [scratch] * rows
         for seq in seqs:
             tokens[seq.slot] = seq.last_token
             pos[seq.slot] = seq.num_cached
-        need = max(seq.num_cached for seq in seqs) + 1
-        length = next(b for b in self.buckets if b >= need)
-        self.tokens.copy_(torch.tensor(tokens, pin_memory=True).view(S, 1), non_blocking=True)
-        self.pos.copy_(torch.tensor(pos, pin_memory=True).view(S, 1), non_blocking=True)
-        self.graphs[length].replay()
-        rows = torch.tensor([seq.slot for seq in seqs], pin_memory=True).to(self.tokens.device, non_blocking=True)
-        return self.logits[length].index_select(0, rows)  # (B, V); the sampler modifies it in place
+        self.tokens[:rows].copy_(self._host(tokens).view(rows, 1), non_blocking=True)
+        self.pos[:rows].copy_(self._host(pos).view(rows, 1), non_blocking=True)
+        return bucket
+
+    def run(self, bucket: Bucket) -> Tensor:
+        self.graphs[bucket].replay()
+        return self.logits[bucket]
+
+    def decode(self, seqs: list[Sequence]) -> Tensor:
+        logits = self.run(self.load_inputs(seqs))
+        rows = self._host([seq.slot for seq in seqs]).to(self.tokens.device, non_blocking=True)
+        return logits.index_select(0, rows)  # (B, V); the sampler modifies it in place
+
+    def _host(self, values: list[int]) -> Tensor:
+        """Pinned on CUDA, so that the copy to the GPU does not block (the tests drive the bucketing on
+        the CPU, running ``_step`` where a graph would replay)."""
+        t = torch.tensor(values)
+        return t.pin_memory() if self.tokens.is_cuda else t
 
 
-def capture_decode_graphs(core: EngineCore) -> None:
+def capture_decode_graphs(core: EngineCore, all_rows: bool = False) -> None:
     if core.device.type != "cuda":
         return
-    graphs = DecodeGraphs(core)
+    graphs = DecodeGraphs(core, all_rows=all_rows)
     graphs.capture()
     core.graphs = graphs

@@ -32,6 +32,13 @@ if TYPE_CHECKING:
 NEG_INF = float("-inf")
 
 
+def on_device(values: Seq[float] | Seq[int] | Seq[bool], device: torch.device) -> Tensor:
+    """A per-row parameter list on ``device``; on CUDA through pinned memory, so the copy does not wait
+    for the decode step still running on the GPU."""
+    t = torch.tensor(values)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 @dataclass(slots=True)
 class SampleResult:
     token_ids: list[int]
@@ -146,25 +153,25 @@ class Sampler:
         params = [seq.params for seq in rows]
         dev = logits.device
         greedy = [p.temperature < 1e-5 for p in params]
-        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=dev)
+        temps = on_device([1.0 if g else p.temperature for g, p in zip(greedy, params)], dev)
         scaled = logits / temps.unsqueeze(1)  # (B, V)
         if any(p.top_k > 0 for p in params):
             vocab = scaled.shape[1]
             ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
             kth = scaled.topk(max(ks), dim=-1).values  # (B, kmax), descending
-            thresh = kth.gather(1, torch.tensor(ks, device=dev).unsqueeze(1) - 1)  # (B, 1)
-            off = torch.tensor([p.top_k <= 0 for p in params], device=dev).unsqueeze(1)
+            thresh = kth.gather(1, on_device(ks, dev).unsqueeze(1) - 1)  # (B, 1)
+            off = on_device([p.top_k <= 0 for p in params], dev).unsqueeze(1)
             thresh = torch.where(off, NEG_INF, thresh)  # a boolean index would sync on CUDA
             scaled.masked_fill_(scaled < thresh, NEG_INF)
         if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
+            top_p = on_device([p.top_p for p in params], dev).unsqueeze(1)
             sorted_logits, order = scaled.sort(dim=-1, descending=True)
             probs = sorted_logits.softmax(dim=-1)
             drop = (probs.cumsum(dim=-1) - probs) > top_p  # mass before this token already > top_p
             scaled.scatter_(1, order, sorted_logits.masked_fill(drop, NEG_INF))
         probs = scaled.softmax(dim=-1)  # (B, V)
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+            min_p = on_device([p.min_p for p in params], dev).unsqueeze(1)
             probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         cdf = probs.cumsum(dim=-1)  # (B, V)
         # one uniform in (0, 1] per row, each from the row's own generator (one draw when none is seeded)
@@ -174,5 +181,5 @@ class Sampler:
             u = 1.0 - torch.cat([torch.rand(1, device=dev, generator=seq.generator or self.generator) for seq in rows])
         ids = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1).clamp_(max=cdf.shape[1] - 1)
         if any(greedy):
-            ids = torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), ids)
+            ids = torch.where(on_device(greedy, dev), logits.argmax(dim=-1), ids)
         return ids
