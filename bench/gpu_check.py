@@ -111,9 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_healthy(url, server, args.start_timeout)
         junit = Path(tempfile.mkdtemp(prefix="gpu-check-")) / "junit.xml"
-        env = {**os.environ, "TRTSERVER_TEST_BASE_URL": url}
+        device = flags[flags.index("--device") + 1] if "--device" in flags else "cuda"
+        env = {**os.environ, "TRTSERVER_TEST_BASE_URL": url, "TRTSERVER_TEST_BASE_DEVICE": device}
         try:
-            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/http",
+            # -v: each result is in the log as it happens, should the time limit cut the run short
+            cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "tests/http",
                    f"--junitxml={junit}"]
             done = subprocess.run(cmd, cwd=ROOT, env=env, timeout=args.test_timeout)
             code = done.returncode

@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         rounds = 4 if args.quick else 12
         paired = result_line([sys.executable, "-m", "bench.overhead", "--json", "--engine-dir", str(engine_dir),
                               "--rounds", str(rounds), "--tokens", str(args.tokens), "--dtype", dtype,
-                              "--device", args.device, f"--ours-args={args.ours_args}"], 900)
+                              "--device", args.device, f"--ours-args={args.ours_args}"],
+                             min(900.0, max(60.0, deadline + 60 - time.monotonic())))  # --max-minutes binds it too
         if args.device == "cpu" and dtype == "auto" and not args.ours_args.strip():  # the server's defaults only
             floor = result_line([sys.executable, "-m", "bench.loop_floor", "--json", "--engine-dir", str(engine_dir),
                                  "--rounds", "4" if args.quick else "8", "--tokens", str(args.tokens)], 600)

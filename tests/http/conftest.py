@@ -16,6 +16,13 @@ import pytest
 from openai import OpenAI
 
 MODEL = "SmolLM2-135M-Instruct"
+# The servers these tests start themselves: on the CPU unless told otherwise, also on a GPU machine, where
+# their timings (tokens that outlast a grace period, arrivals during a decode) and CPU pinning were set.
+TEST_DEVICE = os.environ.get("TRTSERVER_TEST_DEVICE", "cpu")
+# The device of the server TRTSERVER_TEST_BASE_URL names (bench/gpu_check.py sets it): a bfloat16 GPU
+# rounds one row's logits differently in a batch of four (a step of 0.06 near a logit of 16).
+BASE_DEVICE = os.environ.get("TRTSERVER_TEST_BASE_DEVICE", "cpu")
+LOGPROB_TOLERANCE = 1e-3 if BASE_DEVICE == "cpu" else 0.1
 
 
 def free_port() -> int:
@@ -43,7 +50,7 @@ def start_server(engine_dir: Path, *args: str, log_name: str = "server") -> tupl
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"trtserver-test-{log_name}-{port}.log", "wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "trtserver.cli", "serve", str(engine_dir), "--port", str(port),
-         "--engine", os.environ.get("TRTSERVER_TEST_ENGINE", "torch"), *args],
+         "--engine", os.environ.get("TRTSERVER_TEST_ENGINE", "torch"), "--device", TEST_DEVICE, *args],
         stdout=log, stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"

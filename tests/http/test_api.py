@@ -8,7 +8,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.http.conftest import MODEL
+from tests.http.conftest import LOGPROB_TOLERANCE, MODEL
 
 PROMPT = "The capital of France is"
 
@@ -169,7 +169,7 @@ def test_echo_scoring_call_of_lm_eval(http: httpx.Client) -> None:
     # the prompt token logprobs agree with what generation reports for the same continuation
     cont = post(http, prompt="The capital of France", max_tokens=1, temperature=0, logprobs=5)
     assert math.isclose(cont["choices"][0]["logprobs"]["top_logprobs"][0][" is"], lp["token_logprobs"][4],
-                        abs_tol=1e-3)
+                        abs_tol=LOGPROB_TOLERANCE)
 
 
 def test_echo_with_completion_and_offsets(http: httpx.Client) -> None:

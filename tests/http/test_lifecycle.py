@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.http.conftest import free_port
+from tests.http.conftest import TEST_DEVICE, free_port
 
 SMALL = ("--max-model-len", "1024")
 # long enough to outlast every timeout and grace period here (~100 tokens/s on two cores); those requests are cut short
@@ -43,7 +43,7 @@ class Server:
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "trtserver.cli", "serve", str(engine_dir), "--port", str(self.port),
-             "--engine", os.environ.get("TRTSERVER_TEST_ENGINE", "torch"), *flags],
+             "--engine", os.environ.get("TRTSERVER_TEST_ENGINE", "torch"), "--device", TEST_DEVICE, *flags],
             stdout=self._log, stderr=subprocess.STDOUT)
 
     def log(self) -> str:
