@@ -13,7 +13,7 @@ STASH=${DEVKIT_STASH:-${HOME:-/root}/trtserver-devkit}  # outside the checkout: 
 OUT=${OUT:-$PWD/bench/out/device}
 # the run call: RUN_S in all (a call may take 600 s, the upload included); the harness stops starting
 # scenarios after HARNESS_MIN minutes; the HTTP suite gets what is left
-RUN_S=${RUN_S:-540} START_S=${START_S:-120} HARNESS_MIN=${HARNESS_MIN:-3}
+RUN_S=${RUN_S:-450} START_S=${START_S:-120} HARNESS_MIN=${HARNESS_MIN:-3}
 mkdir -p "$OUT"
 
 stage() {

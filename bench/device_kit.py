@@ -48,7 +48,7 @@ TEST_TOOLS = ["pytest", "pytest-asyncio", "pytest-timeout", "openai", "httpx"]
 IN_IMAGE = {"torch", "triton", "numpy", "transformers", "setuptools", "pip", "wheel"}
 IN_IMAGE_PREFIXES = ("nvidia-", "cuda-")
 IMAGE_LIST = ROOT / "bench" / "device_image.txt"
-SMALL = 512 << 10  # a wheel this small travels even when the image has the package: insurance against its version
+SMALL = 2 << 20  # a wheel this small travels even when the image has the package: insurance against its version
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35, 39)]
 PLATFORMS += ["manylinux2014_x86_64", "manylinux1_x86_64"]
 
