@@ -204,7 +204,8 @@ def build(out: Path, python_version: str) -> dict[str, object]:
     if out.exists():
         shutil.rmtree(out)
     a, b = out / "a", out / "b"
-    download(pins, python_version, a / "wheels")
+    # setuptools too: the device installs the checkout editable, with no build isolation
+    download([*pins, Pin("setuptools", installed("setuptools")[0])], python_version, a / "wheels")
     dropped = drop_large_image_wheels(a / "wheels", image_packages())
     wheels = sum(p.stat().st_size for p in (a / "wheels").iterdir())
     wheel = model_wheel()
