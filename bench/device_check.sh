@@ -11,9 +11,10 @@ PY=${PYTHON:-python3}
 KIT=${DEVKIT:-.devkit}  # what `make devkit` wrote
 STASH=${DEVKIT_STASH:-${HOME:-/root}/trtserver-devkit}  # outside the checkout: it outlives a call on a warm machine
 OUT=${OUT:-$PWD/bench/out/device}
-# the run call: RUN_S in all (a call may take 600 s, the upload included); the harness stops starting
-# scenarios after HARNESS_MIN minutes; the HTTP suite gets what is left
-RUN_S=${RUN_S:-450} START_S=${START_S:-120} HARNESS_MIN=${HARNESS_MIN:-3}
+# the run call: RUN_S seconds in all (a command may run 600 s); the harness stops starting scenarios after
+# HARNESS_MIN whole minutes; the HTTP suite gets what is left. A limit reached sends SIGINT first, so
+# servers are stopped and what was measured is printed.
+RUN_S=${RUN_S:-540} START_S=${START_S:-120} HARNESS_MIN=${HARNESS_MIN:-3}
 mkdir -p "$OUT"
 
 stage() {
@@ -29,7 +30,8 @@ stage() {
     "${pip[@]}" "setuptools>=68" && "${pip[@]}" --no-build-isolation "${args[@]}" || {
         echo "stage: the offline install failed (a need the kit lacks is named above)"; return 1; }
     "$PY" -m pip check || echo "stage: pip check reports the conflicts above (the run may still work)"
-    "$PY" -c 'import trtserver, msgspec, openai; print("stage: installed trtserver from", trtserver.__file__)'
+    "$PY" -c 'import trtserver, msgspec, openai, pytest_asyncio, pytest
+print("stage: installed trtserver from", trtserver.__file__, "; pytest", pytest.__version__)' || return 1
     echo "stage: done; now call 2 with .devkit/b: bash bench/device_check.sh run"
 }
 
@@ -38,22 +40,26 @@ run() {
     [ -f "$KIT/b/kit.json" ] || { echo "run: no $KIT/b here: carry it"; return 2; }
     local t0=$SECONDS code=0 cuda left
     "$PY" -m bench.device_kit join --stash "$STASH" --part "$KIT/b" --dest .cache/wheels || return 1
+    TRTSERVER_REVISION=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["revision"])' "$KIT/b/kit.json")
+    export TRTSERVER_REVISION
     timeout 180 "$PY" -m trtserver.cli build 2>&1 | tail -3 || { echo "run: the engine build failed"; return 1; }
     cuda=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))')
     # the issue's figures first (tokens/s at 1, 16 and 64 streams, the batch-1 roofline), then the HTTP suite
     if [ "$cuda" = 1 ]; then
-        timeout $((HARNESS_MIN * 60 + 90)) "$PY" -u -m bench.harness --device cuda --no-profile \
+        timeout -s INT -k 30 $((HARNESS_MIN * 60 + 90)) "$PY" -u -m bench.harness --device cuda --no-profile \
             --max-minutes "$HARNESS_MIN" --results "$OUT/RESULTS-gpu.md" 2>&1 | tee "$OUT/harness.log" || code=1
+        tar czf "$OUT/harness-servers.tgz" bench/out/*.log 2>/dev/null
     else
-        echo "run: no CUDA device: bench.harness --device cuda skipped (the HTTP suite runs on the CPU)"
+        echo "run: NO CUDA DEVICE: bench.harness --device cuda skipped, the HTTP suite runs on the CPU; rc 1"
+        code=1
     fi
     left=$((RUN_S - (SECONDS - t0)))
     if [ $left -lt $((START_S + 60)) ]; then
         echo "run: ${left}s left of RUN_S=${RUN_S}: not enough for the HTTP suite"
         return 1
     fi
-    timeout "$left" "$PY" -u bench/gpu_check.py --skip-build --start-timeout "$START_S" \
-        --test-timeout $((left - START_S - 20)) 2>&1 | tee "$OUT/gpu_check.log" || code=1
+    timeout -s INT -k 20 "$left" "$PY" -u bench/gpu_check.py --skip-build --start-timeout "$START_S" \
+        --budget $((left - 15)) 2>&1 | tee "$OUT/gpu_check.log" || code=1
     cp "$(grep -o '/[^ ]*gpu-check-server-[^ ]*\.log' "$OUT/gpu_check.log" | tail -1)" "$OUT/server.log" 2>/dev/null
     return $code
 }

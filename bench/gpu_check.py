@@ -93,12 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument("--test-timeout", type=float, default=1200)
     parser.add_argument("--skip-build", action="store_true")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for start-up and the suite together: the suite gets what start-up leaves")
     args = parser.parse_args(argv)
 
     if not args.skip_build:
         print("== building engines (portable dir, plus a TensorRT-LLM engine where it is installed)",
               flush=True)
         subprocess.run([*trtserver_cmd(), "build"], cwd=ROOT, check=True, timeout=args.build_timeout)
+    started = time.monotonic()
     engine, flags, why = choose_engine(args.engine_dir)
     print(f"== engine: {why}", flush=True)
     port = args.port or free_port()
@@ -112,15 +115,20 @@ def main(argv: list[str] | None = None) -> int:
         wait_healthy(url, server, args.start_timeout)
         junit = Path(tempfile.mkdtemp(prefix="gpu-check-")) / "junit.xml"
         device = flags[flags.index("--device") + 1] if "--device" in flags else "cuda"
-        env = {**os.environ, "TRTSERVER_TEST_BASE_URL": url, "TRTSERVER_TEST_BASE_DEVICE": device}
+        # only the plugins the suite uses: a GPU image's own (pytest-benchmark, -xdist, -cov...) stay out
+        env = {**os.environ, "TRTSERVER_TEST_BASE_URL": url, "TRTSERVER_TEST_BASE_DEVICE": device,
+               "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+        test_timeout = args.test_timeout
+        if args.budget is not None:
+            test_timeout = min(test_timeout, args.budget - (time.monotonic() - started) - 40)
         try:
             # -v: each result is in the log as it happens, should the time limit cut the run short
-            cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "tests/http",
-                   f"--junitxml={junit}"]
-            done = subprocess.run(cmd, cwd=ROOT, env=env, timeout=args.test_timeout)
+            cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "pytest_asyncio.plugin",
+                   "-p", "pytest_timeout", "-p", "trtserver.testing", "tests/http", f"--junitxml={junit}"]
+            done = subprocess.run(cmd, cwd=ROOT, env=env, timeout=test_timeout)
             code = done.returncode
         except subprocess.TimeoutExpired:
-            print(f"!! the HTTP suite did not finish in {args.test_timeout:.0f}s")
+            print(f"!! the HTTP suite did not finish in {test_timeout:.0f}s")
         if junit.exists():
             rows = results(junit)
     except RuntimeError as exc:

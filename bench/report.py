@@ -134,6 +134,10 @@ def machine_line(args: argparse.Namespace) -> str:
 
 
 def git_revision() -> str:
+    """The checkout's commit; on a device machine, whose copy of the tree has no .git, the commit
+    ``make devkit`` recorded (``TRTSERVER_REVISION``)."""
+    if not (ROOT / ".git").exists() and os.environ.get("TRTSERVER_REVISION"):
+        return os.environ["TRTSERVER_REVISION"] + " (recorded by make devkit)"
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=30,
                              cwd=ROOT).stdout.strip()
