@@ -51,4 +51,4 @@ devkit: install
 	$(PY) -m bench.device_kit
 
 clean:
-	rm -rf $(VENV) engines .cache
+	rm -rf $(VENV) engines .cache .devkit .devkit.new
