@@ -43,8 +43,9 @@ lint: install
 bench: engines
 	$(PY) -m bench.harness $(BENCH_ARGS)
 
+# the engine, bench.harness --device cuda (1/16/64 streams, roofline), then the HTTP suite on it; 8 minutes at most
 gpu-check: install
-	$(PY) bench/gpu_check.py
+	PYTHON=$(PY) OUT=bench/out/gpu-check RUN_S=480 bash bench/device_check.sh check
 
 # for a lent GPU machine with no network: wheels and the model in two parts (README, "The GPU check on a lent machine")
 devkit: install

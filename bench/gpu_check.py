@@ -1,8 +1,9 @@
-"""``make gpu-check``: build the default engine, serve it, run the HTTP suite against it, print one table.
+"""The HTTP-suite half of ``make gpu-check`` (``bench/device_check.sh check`` runs it after the CUDA harness):
+build the default engine, serve it, run the HTTP suite against it, print one table.
 
 With TensorRT-LLM (and a CUDA GPU, and an engine it built) the server runs ``--engine trtllm``;
 otherwise it says so and runs the same suite on the PyTorch engine, on CUDA when available.
-Bounded: every step has a time limit (``--build-timeout``, ``--start-timeout``, ``--test-timeout``).
+Bounded: every step has a time limit (``--build-timeout``, ``--start-timeout``, ``--test-timeout``, ``--budget``).
 
     python bench/gpu_check.py [--engine-dir engines/SmolLM2-135M-Instruct] [--port 8765]
 """
