@@ -27,7 +27,6 @@ syntax errors in a template given with the request) is an ``InvalidRequest`` (40
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -57,8 +56,6 @@ RESERVED_NAMES = frozenset({"messages", "tools", "documents", "add_generation_pr
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-# a loop over a message's content means the template wants the list of parts, not one string
-_CONTENT_LOOP = re.compile(r"\bin\s+\w+(\[\s*['\"]content['\"]\s*\]|\.content)\b")
 
 
 class ChatTemplateError(InvalidRequest):
@@ -177,7 +174,8 @@ class ChatTemplate:
         """Where it came from, for logs: ``--chat-template``, ``plugin NAME``, a file path."""
         self.special_tokens = dict(special_tokens or {})
         self._template = _compile(source)  # raises ChatTemplateError
-        self.content_as_parts = bool(_CONTENT_LOOP.search(source))
+        self.content_as_parts = _loops_over_content(source)
+        """True when the template iterates over a message's content: it then gets lists of text parts."""
 
     @classmethod
     def from_text(cls, source: str, *, special_tokens: Mapping[str, str] | None = None,
@@ -214,15 +212,27 @@ class ChatTemplate:
             text = self._template.render(**variables)
         except TemplateRaised as exc:
             raise ChatTemplateError(str(exc.message), param="messages") from exc
-        except jinja2.TemplateError as exc:  # undefined values, sandbox violations, filter errors
-            raise ChatTemplateError(f"chat template failed on these messages: {type(exc).__name__}: {exc}",
-                                    param="messages") from exc
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+        except Exception as exc:  # undefined values, sandbox violations, a template's own bugs: never a 500
             raise ChatTemplateError(f"chat template failed on these messages: {type(exc).__name__}: {exc}",
                                     param="messages") from exc
         if final_text is not None:
             text = _cut_after_final_message(text, final_text)
         return text
+
+
+def _loops_over_content(source: str) -> bool:
+    """Whether the template has ``{% for ... in message['content'] %}`` (or ``message.content``), as vLLM detects
+    templates that take OpenAI's list of content parts rather than one string."""
+    for loop in _ENV.parse(source).find_all(jinja2.nodes.For):
+        target = loop.iter
+        while isinstance(target, jinja2.nodes.Filter) and target.node is not None:  # message.content | list
+            target = target.node
+        if isinstance(target, jinja2.nodes.Getattr) and target.attr == "content":
+            return True
+        if isinstance(target, jinja2.nodes.Getitem) and isinstance(target.arg, jinja2.nodes.Const) \
+                and target.arg.value == "content":
+            return True
+    return False
 
 
 def require_chat_template(template: ChatTemplate | None) -> ChatTemplate:
