@@ -220,6 +220,7 @@ class ChatTemplate:
         return text
 
 
+@lru_cache(maxsize=32)
 def _loops_over_content(source: str) -> bool:
     """Whether the template has ``{% for ... in message['content'] %}`` (or ``message.content``), as vLLM detects
     templates that take OpenAI's list of content parts rather than one string."""
@@ -374,15 +375,17 @@ def read_engine_dir_template(engine_dir: str | Path) -> tuple[str, str] | None:
         named = load_manifest(path).chat_template
     except ManifestError:
         named = None
-    if named is not None:
-        file = path / named
-        return file.read_text(encoding="utf-8"), str(file)
-    if (path / TEMPLATE_FILE).is_file():
-        return (path / TEMPLATE_FILE).read_text(encoding="utf-8"), str(path / TEMPLATE_FILE)
+    file = path / (named or TEMPLATE_FILE)
     config_path = path / "tokenizer_config.json"
-    if not config_path.is_file():
-        return None
-    text = template_from_tokenizer_config(json.loads(config_path.read_text(encoding="utf-8")))
+    try:
+        if named is not None or file.is_file():
+            return file.read_text(encoding="utf-8"), str(file)
+        if not config_path.is_file():
+            return None
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ChatTemplateConfigError(f"cannot read the chat template of {path}: {exc}") from exc
+    text = template_from_tokenizer_config(config) if isinstance(config, dict) else None
     return None if text is None else (text, f"{config_path} chat_template")
 
 

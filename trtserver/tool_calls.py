@@ -107,6 +107,18 @@ class ToolParserNotFound(ValueError):
     """``--tool-call-parser`` names no registered parser; the message lists those that are."""
 
 
+class ToolParserMissing(InvalidRequest):
+    """``tool_choice: "auto"`` with tools, on a server started without ``--tool-call-parser``."""
+
+    code = "tool_call_parser_missing"
+
+    def __init__(self) -> None:
+        super().__init__(
+            'tool_choice "auto" needs a tool-call parser to find the calls in the model\'s text: start the server '
+            "with --tool-call-parser NAME (built in: hermes), or name a function in tool_choice, or use \"required\"",
+            param="tool_choice")
+
+
 def registered_tool_parsers(pm: pluggy.PluginManager) -> dict[str, ToolParserFactory]:
     """Every parser plugins register, by name. A name registered twice raises ``PluginLoadError``
     naming both plugins."""

@@ -458,3 +458,10 @@ def test_config_fields_and_flags() -> None:
     config = config_from_args(parser.parse_args(["e", "--chat-template", "t.jinja", "--tool-call-parser", "hermes"]))
     assert (config.chat_template, config.tool_call_parser) == ("t.jinja", "hermes")
     assert msgspec.convert({"engine_dir": "e"}, ServerConfig).chat_template is None
+
+
+def test_a_manifest_naming_a_missing_file_is_a_start_up_error(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    engine = engine_dir_with(tmp_path / "m", manifest_template="x")
+    (engine / "chat_template.jinja").unlink()
+    with pytest.raises(ChatTemplateConfigError, match="chat_template.jinja"):
+        resolve(engine, tokenizer)

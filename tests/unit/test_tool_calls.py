@@ -256,3 +256,10 @@ def test_required_output_cut_short() -> None:
     one_then_cut = '[{"name": "now", "arguments": {}}, {"name": "ad'
     content, calls = collect(run(RequiredToolParser(), [one_then_cut]))
     assert [(c.name, c.arguments) for c in calls] == [("now", "{}")]
+
+
+def test_auto_without_a_parser_names_the_flag() -> None:
+    from trtserver.tool_calls import ToolParserMissing
+
+    error = ToolParserMissing()
+    assert error.status == 400 and error.param == "tool_choice" and "--tool-call-parser" in error.message
