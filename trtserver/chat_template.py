@@ -205,8 +205,8 @@ class ChatTemplate:
         final_text: str | None = None
         if continue_final_message:
             final_text = _tag_final_message(chat)
-        variables = {**self.special_tokens, **extra, "messages": chat, "tools": _plain(tools) if tools else None,
-                     "documents": _plain(documents) if documents else None,
+        variables = {**self.special_tokens, **extra, "messages": chat, "tools": _plain(tools),
+                     "documents": _plain(documents),
                      "add_generation_prompt": add_generation_prompt}
         try:
             text = self._template.render(**variables)

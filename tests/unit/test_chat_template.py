@@ -190,7 +190,9 @@ def test_qwen_tools_template_with_tool_calls_and_results() -> None:
 def test_no_tools_branch_and_tools_none() -> None:
     assert render(QWEN_TEMPLATE, tools=None, add_generation_prompt=False) == (
         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n")
-    assert render(QWEN_TEMPLATE, tools=[]) == render(QWEN_TEMPLATE)  # an empty list is no tools, as in vLLM
+    assert render(QWEN_TEMPLATE, tools=[]) == render(QWEN_TEMPLATE)  # an empty list is falsy in the template
+    assert render("{{ tools is none }} {{ tools | length if tools is not none }}", tools=[]) == "False 0"
+    assert render("{{ tools is none }}") == "True"
 
 
 def test_tojson_options_and_globals() -> None:

@@ -263,3 +263,13 @@ def test_auto_without_a_parser_names_the_flag() -> None:
 
     error = ToolParserMissing()
     assert error.status == 400 and error.param == "tool_choice" and "--tool-call-parser" in error.message
+
+
+def test_modules_the_chat_shaper_imports_stay_free_of_aiohttp_and_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, trtserver.tool_calls, trtserver.chat_template, trtserver.builtins.hermes_tool_parser; "
+            "print(sorted({'aiohttp', 'torch'} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert result.stdout.strip() == "[]"
