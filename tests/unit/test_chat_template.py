@@ -467,3 +467,8 @@ def test_a_manifest_naming_a_missing_file_is_a_start_up_error(tmp_path: Path, to
     (engine / "chat_template.jinja").unlink()
     with pytest.raises(ChatTemplateConfigError, match="chat_template.jinja"):
         resolve(engine, tokenizer)
+
+
+def test_reasoning_is_given_under_each_name_templates_read() -> None:
+    source = "{% for m in messages %}{{ m.thinking }}|{{ m.reasoning_content }}|{{ m.content }}{% endfor %}"
+    assert render(source, [{"role": "assistant", "reasoning": "hmm", "content": "ok"}]) == "hmm|hmm|ok"

@@ -46,8 +46,11 @@ class HermesToolParser:
         self._calls = 0
 
     def feed(self, text: str) -> list[ToolDelta]:
-        self._buffer += text
         out: list[ToolDelta] = []
+        if not self._buffer and not self._in_call and "<" not in text:  # the common case: plain content
+            self._content(text, out)
+            return out
+        self._buffer += text
         while True:
             if self._in_call:
                 at = self._buffer.find(END)
