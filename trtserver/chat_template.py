@@ -171,7 +171,7 @@ class ChatTemplate:
                  origin: str = "text") -> None:
         self.source = source
         self.origin = origin
-        """Where it came from, for logs: ``--chat-template``, ``plugin NAME``, a file path."""
+        """Where it came from, for logs: ``--chat-template``, ``plugin``, a file path."""
         self.special_tokens = dict(special_tokens or {})
         self._template = _compile(source)  # raises ChatTemplateError
         self.content_as_parts = _loops_over_content(source)
@@ -196,7 +196,7 @@ class ChatTemplate:
         if continue_final_message and add_generation_prompt:
             raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be true",
                                  param="continue_final_message")
-        extra = dict(kwargs or {})
+        extra = {str(name): _plain(value) for name, value in (kwargs or {}).items()}
         reserved = sorted(RESERVED_NAMES.intersection(extra))
         if reserved:
             raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: "
