@@ -526,6 +526,7 @@ class ModelCard(msgspec.Struct):
     object: Literal["model"] = "model"
     owned_by: str = "trtserver"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

@@ -288,18 +288,25 @@ async def model_route(request: web.Request) -> web.Response:
     state = _state(request)
     service = _service(request)
     model_id = request.match_info["model_id"]
-    if model_id != service.model_name:
-        raise errors.NotFound(f"The model `{model_id}` does not exist.", param="model")
-    return json_response(ModelCard(id=service.model_name, created=int(state.started_at), root=service.model_name,
-                                   max_model_len=service.info.context_length))
+    for card in _model_cards(state, service):
+        if card.id == model_id:
+            return json_response(card)
+    raise errors.NotFound(f"The model `{model_id}` does not exist.", param="model")
+
+
+def _model_cards(state: ServerState, service: Service) -> list[ModelCard]:
+    """The served model, then each LoRA adapter under ``--adapters-dir`` (selectable by ``model``)."""
+    created = int(state.started_at)
+    base = ModelCard(id=service.model_name, created=created, root=service.model_name,
+                     max_model_len=service.info.context_length)
+    return [base, *(ModelCard(id=name, created=created, root=name, parent=service.model_name,
+                              max_model_len=service.info.context_length) for name in service.adapter_names())]
 
 
 async def models(request: web.Request) -> web.Response:
     state = _state(request)
     service = _service(request)
-    card = ModelCard(id=service.model_name, created=int(state.started_at), root=state.config.engine_dir,
-                     max_model_len=service.info.context_length)
-    return json_response(ModelList(data=[card]))
+    return json_response(ModelList(data=_model_cards(state, service)))
 
 
 async def metrics_route(request: web.Request) -> web.Response:

@@ -7,7 +7,7 @@ keep only their invariants. A check names the field the client sent (``Plan.blam
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from trtserver.config import ServerConfig
@@ -45,14 +45,23 @@ class Plan:
     prompt_logprobs: int | None = None
     # our name of a field -> the field the client sent it as ("logprobs" -> "top_logprobs" in chat)
     names: Mapping[str, str] = field(default_factory=dict)
+    adapter: str | None = None  # the LoRA adapter: ``peft``, or an adapter's name as ``model``
 
     def blame(self, param: str) -> str:
         return self.names.get(param, param)
 
 
-def check_model(request: GenerationFields, served_name: str) -> None:
-    if request.model is not None and request.model != served_name:
-        raise NotFound(f"The model `{request.model}` does not exist.", param="model")
+def check_model(request: GenerationFields, served_name: str, adapters: Callable[[], list[str]] | None = None
+                ) -> str | None:
+    """The LoRA adapter the request runs with: its ``peft``, or (as vLLM allows) an adapter named as ``model``."""
+    if request.model is None or request.model == served_name:
+        return request.peft
+    if adapters is not None and request.model in adapters():
+        if request.peft is not None and request.peft != request.model:
+            raise InvalidRequest(f"model names the adapter `{request.model}` and peft names `{request.peft}`; "
+                                 "name one", param="peft")
+        return request.model
+    raise NotFound(f"The model `{request.model}` does not exist.", param="model")
 
 
 def check_limits(request: GenerationFields, plan: Plan, config: ServerConfig, info: EngineInfo) -> None:
@@ -91,7 +100,7 @@ def check_limits(request: GenerationFields, plan: Plan, config: ServerConfig, in
     if request.stop_token_ids is not None and len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got "
                              f"{len(request.stop_token_ids)}", param="stop_token_ids")
-    if request.peft is not None and not caps.adapters:
+    if plan.adapter is not None and not caps.adapters:
         raise Unsupported(f"LoRA adapters are not enabled on this server ({info.backend} engine); start it with "
                           "--adapters-dir", param="peft")
     if request.priority != 0 and not caps.priority:

@@ -9,6 +9,7 @@ one path: ``stream()`` yields the API's chunks; ``complete()`` collects that sam
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Iterable
@@ -19,6 +20,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import pluggy
 import structlog
 
+from trtserver.adapters import AdapterRegistry
 from trtserver.bad_words import bad_words_factory
 from trtserver.config import ServerConfig
 from trtserver.engine.base import Engine, GenerationRequest, GuidedDecoder, SequenceOutput
@@ -120,11 +122,16 @@ class Service:
         self.longest_token_bytes = max((len(b) for b in token_bytes), default=0) if token_bytes else 0
         self.info = engine.info
         self.quota_store: QuotaStore = quota_store or MemoryQuotaStore()
+        self.adapters = AdapterRegistry(config.adapters_dir, max_rank=config.max_lora_rank) \
+            if config.adapters_dir else None
         self.extras = extras or {}  # per-API start-up objects (the chat template, tool parsers)
         self.flex_in_flight = 0
         # sequences of admitted requests; beyond the engine's slots they wait. Counted here, at
         # admission, because the engine only sees a request once its worker picks it up.
         self.admitted_sequences = 0
+
+    def adapter_names(self) -> list[str]:
+        return self.adapters.names() if self.adapters is not None else []
 
     @property
     def context_length(self) -> int:
@@ -136,7 +143,9 @@ class Service:
     async def prepare(self, api: Api[RequestT], request: RequestT,
                       context: RequestContext) -> Prepared[RequestT]:
         plan = api.plan(request)
-        checks.check_model(request, self.model_name)
+        adapter = checks.check_model(request, self.model_name, self.adapter_names if self.adapters else None)
+        if adapter is not None:
+            plan = dataclasses.replace(plan, adapter=adapter)
         checks.check_limits(request, plan, self.config, self.info)
         sequences = plan.width * plan.prompt_count
         self._admit(sequences)
@@ -200,7 +209,7 @@ class Service:
                 sampling=sampling,
                 n=plan.width,
                 priority=priority,
-                adapter=request.peft,
+                adapter=plan.adapter,
                 guided=guided,
                 guide_spec=guide[0] if guide else None,
                 guide_backend=guide[1] if guide else None,
