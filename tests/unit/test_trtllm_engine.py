@@ -12,7 +12,7 @@ import pytest
 from tests.standins import harness
 from trtserver.config import ServerConfig
 from trtserver.engine.base import GenerationRequest, Priority, SamplingParams, SequenceOutput
-from trtserver.engine.trtllm_version import Generation
+from trtserver.engine.trtllm.version import Generation
 from trtserver.errors import Unsupported
 
 standin = harness.standin
@@ -33,7 +33,7 @@ def make_engine(
     standin(generation)
     if jetson:
         assert monkeypatch is not None
-        monkeypatch.setattr("trtserver.engine.trtllm_version.on_tegra", lambda: True)
+        monkeypatch.setattr("trtserver.engine.trtllm.version.on_tegra", lambda: True)
     build = config.pop("build", {})
     root = harness.make_engine_dir(
         tmp_path / "e", trtllm_version=VERSIONS[generation] if engine else None, **build
@@ -306,7 +306,7 @@ def test_adapter_becomes_lora_request(standin: Any, tmp_path: Path) -> None:
 def test_plugin_logits_processor_is_passed_as_per_request_processor(standin: Any, tmp_path: Path) -> None:
     engine = make_engine(standin, tmp_path, "v1")
     asyncio.run(collect(engine, request(max_tokens=1, logits_processors=[lambda: lambda ids, row: None])))
-    from trtserver.engine.trtllm_logits import TrtllmLogitsProcessor
+    from trtserver.engine.trtllm.logits import TrtllmLogitsProcessor
 
     assert isinstance(engine._llm.calls[-1]["sampling_params"].logits_processor, TrtllmLogitsProcessor)
     v0 = make_engine(standin, tmp_path / "v0", "v0")

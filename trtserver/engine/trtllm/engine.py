@@ -1,17 +1,15 @@
-"""TensorRT-LLM engine: a thin adapter over TRT-LLM's LLM API, one code path per API generation.
+"""``TrtllmEngine``: the ``Engine`` over TensorRT-LLM's LLM API.
 
-``tensorrt_llm`` is imported when a ``TrtllmEngine`` is constructed, never at package import.
 The generation (1.x prebuilt engine, 1.x PyTorch backend, 0.12–0.21, v0.12.0-jetson) is probed at
-run time (``trtllm_version``); what each request field becomes is the table in
-``trtllm_mapping`` (also rendered into ``docs/deploy.md``). The executor already does in-flight
-batching, paged KV cache and CUDA graphs; this file only translates requests and streams.
+run time (``version``); what each request field becomes is the table in ``mapping`` (also rendered
+into ``docs/deploy.md``). The executor already does in-flight batching, paged KV cache and CUDA
+graphs; this module only translates requests and streams.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -22,10 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trtserver.engine.base import Capabilities, EngineInfo, EngineStats, GenerationRequest, SequenceOutput
-from trtserver.engine.trtllm_mapping import needs_logits_processor, refusals
-from trtserver.engine.trtllm_request import generate_kwargs, guided_kwargs, llm_kwargs, prepare
-from trtserver.engine.trtllm_stream import StreamTranslator
-from trtserver.engine.trtllm_version import (
+from trtserver.engine.trtllm.mapping import needs_logits_processor, refusals
+from trtserver.engine.trtllm.request import generate_kwargs, guided_kwargs, llm_kwargs, prepare
+from trtserver.engine.trtllm.stream import StreamTranslator
+from trtserver.engine.trtllm.version import (
     ApiFeatures,
     BuildFacts,
     Generation,
@@ -33,11 +31,10 @@ from trtserver.engine.trtllm_version import (
     guided_params_class,
     llm_class,
     lora_request_class,
-    parse_release,
     sampling_params_class,
 )
 from trtserver.errors import EngineError, InvalidRequest, Unsupported
-from trtserver.manifest import Manifest, ManifestError, load_manifest
+from trtserver.manifest import Manifest, load_manifest
 from trtserver.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -45,54 +42,10 @@ if TYPE_CHECKING:
 
     from trtserver.config import ServerConfig
 
-__all__ = ["TrtllmEngine", "trtllm_unavailable_reason", "installed_trtllm_version"]
+__all__ = ["TrtllmEngine"]
 
 _ABORT = object()
 _DONE = object()
-
-
-def installed_trtllm_version() -> str | None:
-    """The installed distribution's version, read from metadata without importing it."""
-    for dist in ("tensorrt_llm", "tensorrt-llm"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def trtllm_unavailable_reason(config: ServerConfig, *, allow_hf_checkpoint: bool = False) -> str | None:
-    """Why ``--engine auto`` must not pick TensorRT-LLM for ``config``; None when it can.
-
-    Never imports ``tensorrt_llm``; imports torch only to ask for CUDA. ``allow_hf_checkpoint``
-    accepts an engine directory without a TensorRT engine (TRT-LLM 1.x's PyTorch backend), which
-    ``--engine trtllm`` may do but ``auto`` should not.
-    """
-    if importlib.util.find_spec("tensorrt_llm") is None:
-        return "TensorRT-LLM is not installed"
-    if importlib.util.find_spec("torch") is None:
-        return "PyTorch (which TensorRT-LLM needs) is not importable"
-    import torch
-
-    if not torch.cuda.is_available():
-        return "no CUDA device is visible"
-    try:
-        manifest = load_manifest(config.engine_dir)
-    except ManifestError as exc:
-        return str(exc)
-    installed = installed_trtllm_version()
-    if manifest.trtllm is None:
-        if allow_hf_checkpoint and installed is not None and parse_release(installed) >= (1, 0, 0):
-            return None
-        return (f"{config.engine_dir} holds no TensorRT-LLM engine (manifest has no trtllm entry); "
-                "run `make engines` on a machine with TensorRT-LLM")
-    engine = Path(config.engine_dir) / manifest.trtllm.engine_dir
-    if not (engine / "config.json").is_file():
-        return f"{engine}/config.json is missing: the TensorRT-LLM engine directory is incomplete"
-    if installed is not None and installed != manifest.trtllm.version:
-        return (f"the engine was built with TensorRT-LLM {manifest.trtllm.version} but {installed} is "
-                "installed; engines only load in the version that built them: rebuild with `make engines`")
-    return None
 
 
 @dataclass(slots=True)
@@ -279,7 +232,7 @@ class TrtllmEngine:
         if prep.embedding_bias is not None or prep.allowed_only is not None:
             kw["embedding_bias"] = self._embedding_bias(prep.embedding_bias or [], prep.allowed_only)
         if needs_logits_processor(request, f):
-            from trtserver.engine.trtllm_logits import TrtllmLogitsProcessor
+            from trtserver.engine.trtllm.logits import TrtllmLogitsProcessor
 
             in_bias = "embedding_bias" in kw
             processor = TrtllmLogitsProcessor(

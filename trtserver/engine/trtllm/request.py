@@ -2,7 +2,7 @@
 
 Pure: the keyword dict is built here and the engine constructs the real ``SamplingParams`` from it,
 so a name this version does not have fails loudly in the library's own constructor (TypeError).
-Rules follow ``trtllm_mapping.RULES``; facts in ``/work/shared/ref/trtllm-api.md`` §2.
+Rules follow ``mapping.RULES``; facts in ``/work/shared/ref/trtllm-api.md`` §2.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trtserver.engine.base import GenerationRequest, Priority
-from trtserver.engine.trtllm_mapping import logprobs_without_streaming_abort, native_guide
-from trtserver.engine.trtllm_version import ApiFeatures, Generation
+from trtserver.engine.trtllm.mapping import logprobs_without_streaming_abort, native_guide
+from trtserver.engine.trtllm.version import ApiFeatures, Generation
 
 # Priority -> TRT-LLM's float in [0, 1]; higher runs first; 0.5 is its default
 PRIORITY_VALUES = {Priority.HIGH: 1.0, Priority.NORMAL: 0.5, Priority.LOW: 0.25, Priority.LOWEST: 0.0}
@@ -145,7 +145,7 @@ def guided_kwargs(request: GenerationRequest, f: ApiFeatures) -> dict[str, Any] 
     """``GuidedDecodingParams`` keywords when the guide goes to TRT-LLM's xgrammar; else None."""
     if not native_guide(request, f):
         return None
-    from trtserver.engine.trtllm_mapping import guide_of
+    from trtserver.engine.trtllm.mapping import guide_of
 
     spec, _ = guide_of(request)
     assert spec is not None
