@@ -3,6 +3,12 @@
 A request produces, per step, one token per sequence from ``SCRIPT`` (sequence i is shifted by i),
 honouring the sampling params' own names (max_tokens or max_new_tokens, end_id, stop_token_ids,
 ignore_eos, n/best_of or beam_width, logprobs / _return_log_probs / return_log_probs).
+
+The prompt is "scored" by :func:`context_logits`: row *i* is the distribution computed at prompt
+position *i*, which predicts token *i + 1* (the last row predicts the first generated token), as
+TensorRT-LLM's ``context_logits`` are. ``prompt_logprobs`` (0.20+) are made from those rows as
+TensorRT-LLM's ``_topk_logprobs(context_logits, k, None)`` makes them: the top k of each row, with
+the real next token absent unless it is among them.
 """
 
 from __future__ import annotations
@@ -21,6 +27,33 @@ UNKNOWN = object()
 class Logprob:
     logprob: float
     rank: int | None = None
+
+
+def vocab_size(config: dict[str, Any]) -> int:
+    """The model's vocabulary: the engine's ``pretrained_config`` or the HF ``config.json``."""
+    return int((config.get("pretrained_config") or config).get("vocab_size") or 64)
+
+
+def context_logits(prompt: list[int], vocab: int) -> Any:
+    """``[len(prompt), vocab]`` float32: position i favours token ``prompt[i] + 1``, then ``+ 2``."""
+    import torch
+
+    logits = torch.zeros(len(prompt), vocab, dtype=torch.float32)
+    for i, tok in enumerate(prompt):
+        logits[i, (tok + 1) % vocab] = 3.0
+        logits[i, (tok + 2) % vocab] = 1.0
+        logits[i, (tok * 7) % vocab] -= 2.0
+    return logits
+
+
+def topk_logprobs(logits: Any, k: int) -> list[dict[int, Logprob]]:
+    """TensorRT-LLM's ``_topk_logprobs(logits, k, tokens=None)``: one dict per row, ranks from 1."""
+    import torch
+
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    values, indices = torch.topk(logprobs, k=k, dim=-1)
+    return [{int(i): Logprob(float(v), r + 1) for r, (v, i) in enumerate(zip(vals, idx, strict=True))}
+            for vals, idx in zip(values, indices, strict=True)]
 
 
 def read_engine_config(model: str | Path) -> dict[str, Any]:
@@ -69,7 +102,12 @@ class Result:
         self._events: asyncio.Queue[bool] = asyncio.Queue()
         self._finished_event = asyncio.Event()
         self._cancel = False
+        self._context_logits: Any = None
         self.task: asyncio.Task[None] | None = None
+
+    @property
+    def context_logits(self) -> Any:
+        return self._context_logits
 
     @property
     def outputs(self) -> list[Any]:
@@ -114,8 +152,11 @@ async def run(result: Result, sp: Any, llm: Any, *, finish_reasons: bool) -> Non
     floats = bool(getattr(sp, "_return_log_probs", False) or get(sp, "return_log_probs", default=False))
     prompt_lp = get(sp, "prompt_logprobs")
     outs = result.outputs
+    scores = context_logits(result.prompt_token_ids, vocab_size(llm.config))
+    if getattr(sp, "return_context_logits", False):
+        result._context_logits = scores
     if prompt_lp:
-        outs[0].prompt_logprobs = [{t: Logprob(-2.0, 1)} for t in result.prompt_token_ids[1:]]
+        outs[0].prompt_logprobs = topk_logprobs(scores, prompt_lp)
     live = list(range(len(outs)))
     for step in range(max_tokens):
         await asyncio.sleep(0)

@@ -59,6 +59,14 @@ class _Active:
     aborted: bool = False
 
 
+def _hf_vocab_size(model_dir: Path) -> int:
+    """``vocab_size`` of the model's HF ``config.json`` (what the PyTorch backend loads)."""
+    try:
+        return int(json.loads((model_dir / "config.json").read_text()).get("vocab_size") or 0)
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
 class TrtllmEngine:
     """``Engine`` over TensorRT-LLM's LLM API."""
 
@@ -74,6 +82,8 @@ class TrtllmEngine:
         if self.manifest.trtllm is not None:
             self.trt_engine_dir = self.engine_path / self.manifest.trtllm.engine_dir
             build = BuildFacts.from_config(json.loads((self.trt_engine_dir / "config.json").read_text()))
+        self.model_vocab_size = build.vocab_size or _hf_vocab_size(self.engine_path)
+        """The model's vocabulary (logits width without padding), 0 when unknown."""
         self.tp = int(getattr(config, "tensor_parallel_size", 1) or 1)
         self.pp = int(getattr(config, "pipeline_parallel_size", 1) or 1)
         self.trtllm: ModuleType = importlib.import_module("tensorrt_llm")
@@ -174,9 +184,9 @@ class TrtllmEngine:
             max_logprobs = self.config.max_logprobs if f.gather_generation_logits else 0
         else:
             max_logprobs = self.config.max_logprobs if f.release >= (1, 1, 0) else 1
-        prompt_lp = f.build.gather_context_logits if f.trt_backend else f.release >= (1, 1, 0)
+        prompt_lp = f.build.gather_context_logits or not f.trt_backend
         caps = Capabilities(
-            prompt_logprobs="prompt_logprobs" in f.sampling_fields and prompt_lp,
+            prompt_logprobs="return_context_logits" in f.sampling_fields and prompt_lp,
             beam_search=beam,
             logits_processors=f.dynamic_logits_processor,
             guided_decoding=f.dynamic_logits_processor or f.guided_backend is not None,
@@ -289,7 +299,8 @@ class TrtllmEngine:
             extra["lora_request"] = self._lora_request(request.adapter)
         translator = StreamTranslator(request, eos_ids=self._tokenizer.eos_token_ids,
                                       our_stop_ids=prep.our_stop_ids, max_tokens=prep.max_tokens,
-                                      has_finish_reason=self.features.finish_reason)
+                                      has_finish_reason=self.features.finish_reason,
+                                      vocab_size=self.model_vocab_size)
         active = _Active(request=request, queue=asyncio.Queue(), abortable=prep.abortable)
         try:
             output = self._llm.generate_async(list(request.prompt_token_ids), sampling_params=params,

@@ -163,13 +163,11 @@ def _check_logprobs(r: GenerationRequest, f: ApiFeatures) -> str | None:
 def _check_prompt_logprobs(r: GenerationRequest, f: ApiFeatures) -> str | None:
     if r.sampling.prompt_logprobs is None:
         return None
-    if "prompt_logprobs" not in f.sampling_fields:
-        return f"TensorRT-LLM {f.version} has no prompt logprobs (added in 0.20)"
+    if "return_context_logits" not in f.sampling_fields:
+        return f"TensorRT-LLM {f.version} cannot return context logits, from which prompt logprobs are computed"
     if f.trt_backend and not f.build.gather_context_logits:
         return ("prompt logprobs (echo with logprobs, loglikelihood) need an engine built with "
                 "gather_context_logits; rebuild with `trtserver build --trtllm-gather-context-logits`")
-    if not f.trt_backend and f.release < (1, 1, 0):
-        return f"TensorRT-LLM {f.version}'s PyTorch backend has no prompt logprobs (added in 1.1)"
     return None
 
 
@@ -260,8 +258,10 @@ RULES: tuple[Rule, ...] = (
                       C("0: return_log_probs; ≥1 needs gather_generation_logits"),
                       C("0 only (return_log_probs)")), _check_logprobs),
     Rule("prompt_logprobs / echo+logprobs / loglikelihood",
-         (C("engine built with gather_context_logits"), N("1.1+"),
-          C("0.20+ and engine built with gather_context_logits"), R("no prompt logprobs")),
+         (C("return_context_logits, scored by us; engine built with gather_context_logits"),
+          N("return_context_logits, scored by us"),
+          C("return_context_logits, scored by us; engine built with gather_context_logits"),
+          C("return_context_logits, scored by us; engine built with gather_context_logits")),
          _check_prompt_logprobs),
     Rule("n / best_of", (N("n=best_of=sequences; ranking is ours"), N("n=best_of"), C("0.15+"),
                          R("no n/best_of on the Jetson branch")), _check_n),

@@ -121,7 +121,8 @@ def prepare(request: GenerationRequest, f: ApiFeatures, *, eos_ids: tuple[int, .
         else:
             kw["return_log_probs"] = True
     if s.prompt_logprobs is not None:
-        kw["prompt_logprobs"] = max(s.prompt_logprobs, 1)
+        # scored by us from the context logits (TRT-LLM's prompt_logprobs omit the real token)
+        kw["return_context_logits"] = True
     # logit bias / allowed ids natively when embedding_bias exists and no processor is needed anyway
     if (s.logit_bias or s.allowed_token_ids is not None) and "embedding_bias" in f.sampling_fields:
         prep.embedding_bias = list(s.logit_bias)

@@ -158,6 +158,10 @@ class BaseLLM:
                 raise ValueError(
                     "`prompt_logprobs` requires `gather_context_logits=True` in the `BuildConfig`"
                 )
+            if sp.return_context_logits and not build.get("gather_context_logits"):
+                raise ValueError(
+                    "`return_context_logits` requires `gather_context_logits=True` in the `BuildConfig`"
+                )
             if sp.logprobs and not self.kwargs.get("gather_generation_logits"):
                 raise ValueError(
                     "`logprobs` requires `gather_generation_logits=True` to be passed explicitly "
