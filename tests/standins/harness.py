@@ -52,10 +52,16 @@ def standin(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 def make_engine_dir(
-    root: Path, *, trtllm_version: str | None = "1.2.0", context_length: int = 256, **build: Any
+    root: Path,
+    *,
+    trtllm_version: str | None = "1.2.0",
+    context_length: int = 256,
+    vocab_size: int = len(VOCAB),
+    **build: Any,
 ) -> Path:
     """An engine directory: tokenizer files, HF config, manifest; with ``trtllm_version`` also a
-    TensorRT-LLM engine under ``trtllm/`` (config.json with pretrained_config + build_config)."""
+    TensorRT-LLM engine under ``trtllm/`` (config.json with pretrained_config + build_config).
+    ``vocab_size`` is the model's (padded, as in many HF configs) vocabulary; the tokenizer has 64."""
     root.mkdir(parents=True, exist_ok=True)
     tokenizer = {
         "version": "1.0",
@@ -86,7 +92,8 @@ def make_engine_dir(
             {
                 "architectures": ["LlamaForCausalLM"],
                 "model_type": "llama",
-                "vocab_size": len(VOCAB),
+                "vocab_size": vocab_size,
+                "num_hidden_layers": 2,
                 "eos_token_id": EOS,
             }
         )
@@ -120,7 +127,8 @@ def make_engine_dir(
                     "pretrained_config": {
                         "architecture": "LlamaForCausalLM",
                         "dtype": "float16",
-                        "vocab_size": len(VOCAB),
+                        "vocab_size": vocab_size,
+                        "num_hidden_layers": 2,
                     },
                 }
             )

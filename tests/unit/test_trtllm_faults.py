@@ -46,3 +46,46 @@ def test_prompt_logprobs_score_each_prompt_token_from_the_previous_position(
     for have, want in zip(got.prompt_logprobs[1:], tops[1:], strict=True):
         assert have is not None and [t for t, _ in have] == [t for t, _ in want]
         assert [v for _, v in have] == pytest.approx([v for _, v in want])
+
+
+LORA_ENGINE = {
+    "plugin_config": {"lora_plugin": "auto"},
+    "lora_config": {
+        "lora_target_modules": ["attn_q", "attn_k", "attn_v"],
+        "trtllm_modules_to_hf_modules": {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj"},
+        "max_lora_rank": 16,
+    },
+}
+
+
+def adapters(tmp_path: Path) -> Path:
+    root = tmp_path / "adapters"
+    (root / "sql").mkdir(parents=True)
+    return root
+
+
+def test_lora_on_016_passes_the_flat_llm_args(standin: Any, tmp_path: Path) -> None:
+    """0.14-0.18: LlmArgs is a dataclass with enable_lora/max_lora_rank/max_loras/max_cpu_loras and no
+    lora_config; LoraConfig has no max_loras."""
+    e = make_engine(standin, tmp_path, "v0", adapters_dir=str(adapters(tmp_path)), build=LORA_ENGINE)
+    asyncio.run(collect(e, request(max_tokens=1, adapter="sql")))
+    args = e._llm.args
+    assert args.enable_lora is True and args.max_lora_rank == 64
+    assert (args.max_loras, args.max_cpu_loras) == (8, 16)
+    assert e._llm.calls[-1]["lora_request"].lora_name == "sql"
+
+
+def test_gather_generation_logits_is_passed_only_where_llm_args_have_it(standin: Any, tmp_path: Path) -> None:
+    e = make_engine(standin, tmp_path, "v0", build={"gather_generation_logits": True})
+    asyncio.run(e.start())
+    assert not hasattr(e._llm.args, "gather_generation_logits")
+    v1 = make_engine(standin, tmp_path / "v1", "v1", build={"gather_generation_logits": True})
+    asyncio.run(v1.start())
+    assert v1._llm.kwargs.get("gather_generation_logits") is True
+
+
+def test_lora_on_a_1x_tensorrt_engine_keeps_the_engines_target_modules(standin: Any, tmp_path: Path) -> None:
+    e = make_engine(standin, tmp_path, "v1", adapters_dir=str(adapters(tmp_path)), build=LORA_ENGINE)
+    deltas = asyncio.run(collect(e, request(max_tokens=1, adapter="sql")))
+    assert e._llm.lora_module_layers == 2 * 3
+    assert deltas and e._llm.calls[-1]["lora_request"].lora_name == "sql"

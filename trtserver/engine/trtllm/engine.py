@@ -26,7 +26,7 @@ from trtserver.engine.trtllm.stream import StreamTranslator
 from trtserver.engine.trtllm.version import (
     ApiFeatures,
     BuildFacts,
-    Generation,
+    class_fields,
     detect,
     guided_params_class,
     llm_class,
@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 __all__ = ["TrtllmEngine"]
 
 _ABORT = object()
+_MAX_LORAS = 8  # adapters resident on the GPU
+_MAX_CPU_LORAS = 16  # adapters cached in host memory
 _DONE = object()
 
 
@@ -91,7 +93,7 @@ class TrtllmEngine:
         gather = (bool(getattr(config, "trtllm_gather_generation_logits", False))
                   or build.gather_generation_logits)
         self.features: ApiFeatures = features.with_options(
-            gather_generation_logits=gather and features.generation is not Generation.JETSON,
+            gather_generation_logits=gather and features.llm_accepts("gather_generation_logits"),
             guided_backend=self._guided_backend(features),
             lora_enabled=config.adapters_dir is not None and features.lora)
         self._llm: Any = None
@@ -214,19 +216,35 @@ class TrtllmEngine:
         return path
 
     def _lora_llm_kwargs(self) -> dict[str, Any] | None:
+        """LoRA keywords for ``LLM()``: a ``lora_config`` where the args have one (1.x), else the flat
+        ``enable_lora`` / ``max_lora_rank`` / ``max_loras`` / ``max_cpu_loras`` (0.14–0.18)."""
         f = self.features
         if not f.lora_enabled or (f.trt_backend and not f.build.lora_plugin):
             return None
+        rank = int(getattr(self.config, "max_lora_rank", 64))
+        if not f.llm_accepts("lora_config"):
+            flat = {"enable_lora": True, "max_lora_rank": rank, "max_loras": _MAX_LORAS,
+                    "max_cpu_loras": _MAX_CPU_LORAS}
+            return {k: v for k, v in flat.items() if f.llm_accepts(k) or f.llm_args is None}
+        out: dict[str, Any] = {"enable_lora": True} if f.trt_backend and f.llm_accepts("enable_lora") else {}
+        if f.trt_backend and not f.build.lora_target_modules:
+            return out  # the engine's own lora_config then sizes the adapter cache
         try:
             lora_config_cls = importlib.import_module(f"{self.trtllm.__name__}.lora_manager").LoraConfig
         except (ImportError, AttributeError):
-            return None
+            return out
         adapters = sorted(str(p) for p in Path(str(self.config.adapters_dir)).iterdir() if p.is_dir())
-        rank = int(getattr(self.config, "max_lora_rank", 64))
-        lora_config = lora_config_cls(lora_dir=adapters, max_lora_rank=rank, max_loras=8, max_cpu_loras=16)
+        wanted: dict[str, Any] = {"lora_dir": adapters, "max_lora_rank": rank, "max_loras": _MAX_LORAS,
+                                  "max_cpu_loras": _MAX_CPU_LORAS}
         if f.trt_backend:
-            return {"enable_lora": True, "lora_config": lora_config}
-        return {"lora_config": lora_config}
+            # ours overrides the engine's: keep the modules it was built for, or the cache is sized 0
+            wanted.update(lora_target_modules=list(f.build.lora_target_modules),
+                          trtllm_modules_to_hf_modules=dict(f.build.lora_modules_to_hf))
+            if f.build.max_lora_rank:
+                wanted["max_lora_rank"] = f.build.max_lora_rank
+        known = class_fields(lora_config_cls)
+        out["lora_config"] = lora_config_cls(**{k: v for k, v in wanted.items() if k in known})
+        return out
 
     def _sampling_params(self, request: GenerationRequest) -> tuple[Any, Any]:
         f = self.features

@@ -169,7 +169,7 @@ def llm_kwargs(f: ApiFeatures, *, tokenizer_dir: str, tp: int, pp: int,
         if pp > 1:
             kw["pipeline_parallel_size"] = pp
     # TP/PP of a prebuilt engine come from the engine's mapping (a different value raises)
-    if f.gather_generation_logits and f.generation is not Generation.JETSON:
+    if f.gather_generation_logits:
         kw["gather_generation_logits"] = True
     if f.guided_backend is not None:
         kw["guided_decoding_backend"] = f.guided_backend

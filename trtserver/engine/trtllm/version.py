@@ -85,12 +85,16 @@ class BuildFacts:
     gather_generation_logits: bool = False
     lora_plugin: bool = False
     vocab_size: int = 0
+    lora_target_modules: tuple[str, ...] = ()
+    lora_modules_to_hf: tuple[tuple[str, str], ...] = ()
+    max_lora_rank: int = 0
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> BuildFacts:
         build = config.get("build_config") or {}
         pretrained = config.get("pretrained_config") or {}
         plugin = build.get("plugin_config") or {}
+        lora = build.get("lora_config") or {}
         return cls(
             max_batch_size=int(build.get("max_batch_size") or 0),
             max_input_len=int(build.get("max_input_len") or 0),
@@ -102,6 +106,10 @@ class BuildFacts:
                                           or build.get("gather_all_token_logits")),
             lora_plugin=plugin.get("lora_plugin") not in (None, False, "disable"),
             vocab_size=int(pretrained.get("vocab_size") or 0),
+            lora_target_modules=tuple(str(m) for m in lora.get("lora_target_modules") or ()),
+            lora_modules_to_hf=tuple((str(k), str(v)) for k, v in
+                                     (lora.get("trtllm_modules_to_hf_modules") or {}).items()),
+            max_lora_rank=int(lora.get("max_lora_rank") or 0),
         )
 
 
@@ -116,6 +124,8 @@ class ApiFeatures:
     has_abort: bool
     has_guided_params: bool
     build: BuildFacts = BuildFacts()
+    llm_args: frozenset[str] | None = None
+    """The LLM constructor's keywords (its LlmArgs fields); None where they could not be read."""
     # start-time choices (ours), filled in by the engine
     gather_generation_logits: bool = False
     guided_backend: str | None = None
@@ -150,6 +160,12 @@ class ApiFeatures:
     def finish_reason(self) -> bool:
         return self.release >= (0, 14, 0)
 
+    def llm_accepts(self, name: str) -> bool:
+        """``LLM(name=...)`` is accepted; by release where the args class could not be read."""
+        if self.llm_args is not None:
+            return name in self.llm_args
+        return self.release >= (1, 0, 0)
+
     def name(self, *candidates: str) -> str | None:
         """The first of ``candidates`` that this version's SamplingParams accepts (new name first)."""
         for candidate in candidates:
@@ -159,6 +175,26 @@ class ApiFeatures:
 
     def with_options(self, **changes: Any) -> ApiFeatures:
         return dataclasses.replace(self, **changes)
+
+
+def llm_arg_fields(module: ModuleType, generation: Generation) -> frozenset[str] | None:
+    """The LLM's keywords: pydantic ``model_fields`` of 1.x ``TrtLlmArgs`` / ``TorchLlmArgs``, or the
+    fields of the ``@dataclass LlmArgs`` that 0.12–0.x build with ``cls(**kwargs)``."""
+    root = module.__name__
+    names = {Generation.V1_ENGINE: ["llmapi.llm_args:TrtLlmArgs"],
+             Generation.V1_PYTORCH: ["llmapi.llm_args:TorchLlmArgs"]}.get(generation, [])
+    names += ["llmapi.llm_args:LlmArgs", "llmapi.llm_utils:LlmArgs", "hlapi.llm_utils:LlmArgs"]
+    for name in names:
+        try:
+            cls = _first_attr(module, [f"{root}.{name}"])
+        except TrtllmVersionError:
+            continue
+        model_fields = getattr(cls, "model_fields", None)
+        if isinstance(model_fields, dict):
+            return frozenset(model_fields)
+        if dataclasses.is_dataclass(cls):
+            return frozenset(f.name for f in dataclasses.fields(cls))
+    return None
 
 
 def class_fields(cls: type) -> frozenset[str]:
@@ -248,4 +284,4 @@ def detect(module: ModuleType, *, has_engine: bool, build: BuildFacts | None = N
     has_guided = "guided_decoding" in sp_fields and guided_params_class(module) is not None
     return ApiFeatures(version=version, generation=generation, sampling_fields=sp_fields,
                        generate_params=gen_params, has_abort=has_abort, has_guided_params=has_guided,
-                       build=build or BuildFacts())
+                       build=build or BuildFacts(), llm_args=llm_arg_fields(module, generation))

@@ -8,6 +8,7 @@ from typing import Any
 
 import standin_core as core
 
+from tensorrt_llm.executor import RequestError
 from tensorrt_llm.sampling_params import SamplingParams
 
 COMMON = {
@@ -47,6 +48,16 @@ TRT_ONLY = {
     "max_prompt_adapter_token",
     "enable_lora",
 }
+
+
+class TorchLlmArgs:
+    """``llm_args.TorchLlmArgs`` (a pydantic model with extra="forbid"): its ``model_fields``."""
+
+    model_fields: dict[str, Any] = dict.fromkeys(COMMON)
+
+
+class TrtLlmArgs:
+    model_fields: dict[str, Any] = dict.fromkeys(COMMON | TRT_ONLY)
 
 
 @dataclass
@@ -111,6 +122,7 @@ class BaseLLM:
         if is_engine and kwargs.get("tensor_parallel_size", 1) != 1:
             raise ValueError("tensor_parallel_size differs from the engine's mapping")
         self.model, self.tokenizer, self.kwargs = model, tokenizer, kwargs
+        self.lora_module_layers = self._lora_module_layers() if is_engine else None
         self.calls: list[dict[str, Any]] = []
         self.aborted: list[int] = []
         self.crashed = False
@@ -138,6 +150,9 @@ class BaseLLM:
             raise TypeError("sampling_params must be SamplingParams")
         prompt = list(inputs["prompt_token_ids"] if isinstance(inputs, dict) else inputs)
         self._check_arguments(prompt, sp)
+        if lora_request is not None and self.lora_module_layers == 0:
+            # a PEFT cache sized for no module can hold no adapter (the likely outcome in C++)
+            raise RequestError("LoRA adapter does not fit the PEFT cache (0 module layers)")
         self.calls.append(
             {"inputs": prompt, "sampling_params": sp, "lora_request": lora_request, "streaming": streaming}
         )
@@ -148,6 +163,18 @@ class BaseLLM:
         )
         result.task = asyncio.get_running_loop().create_task(core.run(result, sp, self, finish_reasons=True))
         return result
+
+    def _lora_module_layers(self) -> int | None:
+        """≈1.1 ``_TrtLLM._build_model``: the engine's lora_config unless the LLM args carry one
+        ("Overriding lora_config from engine with lora_config from LLM args"); the PEFT cache holds
+        ``num_hidden_layers * len(lora_target_modules + missing_qkv_modules)`` module layers."""
+        build = self.config["build_config"]
+        if build.get("plugin_config", {}).get("lora_plugin") in (None, False, "disable"):
+            return None
+        lora = self.kwargs.get("lora_config")
+        modules = list(lora.lora_target_modules) if lora is not None else list(
+            build.get("lora_config", {}).get("lora_target_modules", []))
+        return int(self.config["pretrained_config"].get("num_hidden_layers", 1)) * len(modules)
 
     def _check_arguments(self, prompt: list[int], sp: SamplingParams) -> None:
         build = self.config.get("build_config", {})
