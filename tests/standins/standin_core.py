@@ -56,6 +56,14 @@ def topk_logprobs(logits: Any, k: int) -> list[dict[int, Logprob]]:
             for vals, idx in zip(values, indices, strict=True)]
 
 
+def release(llm: Any) -> tuple[int, int]:
+    """The stand-in's ``tensorrt_llm.__version__`` as (major, minor); a test may set another."""
+    import sys
+
+    major, minor = str(sys.modules["tensorrt_llm"].__version__).split(".")[:2]
+    return int(major), int(minor)
+
+
 def read_engine_config(model: str | Path) -> dict[str, Any]:
     path = Path(model) / "config.json"
     if not path.is_file():
@@ -148,6 +156,9 @@ async def run(result: Result, sp: Any, llm: Any, *, finish_reasons: bool) -> Non
     end_id = get(sp, "end_id")
     stop_ids = list(get(sp, "stop_token_ids", default=[]) or [])
     ignore_eos = bool(get(sp, "ignore_eos", default=False))
+    if ignore_eos and release(llm) > (1, 2):
+        stop_ids = []  # main's base_worker: stop_words=[] if ignore_eos else _get_stop_words()
+    keep_stop = bool(get(sp, "include_stop_str_in_output", default=False))
     top_k = get(sp, "logprobs")
     floats = bool(getattr(sp, "_return_log_probs", False) or get(sp, "return_log_probs", default=False))
     prompt_lp = get(sp, "prompt_logprobs")
@@ -180,6 +191,9 @@ async def run(result: Result, sp: Any, llm: Any, *, finish_reasons: bool) -> Non
                 o.logprobs.append(-0.25)
             o.cumulative_logprob = (o.cumulative_logprob or 0.0) - 0.25
             if tok in stop_ids:
+                if not keep_stop:  # result.py: token_ids[:-len(stop_ids)] (0.12 handle_generation_msg too)
+                    del o.token_ids[-1:]
+                    del o.logprobs[len(o.token_ids):]
                 _finish(o, "stop", tok, finish_reasons)
                 live.remove(i)
             elif len(o.token_ids) >= max_tokens:

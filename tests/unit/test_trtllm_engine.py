@@ -75,8 +75,9 @@ def test_generates_until_max_tokens(standin: Any, tmp_path: Path, generation: st
     assert tokens(deltas) == [10, 11, 12, 13]
     assert finish(deltas).finish_reason == "length"
     sp = engine._llm.calls[-1]["sampling_params"]
-    assert sp.max_tokens == 4 and sp.end_id == 1
-    assert sp.seed is not None  # always seeded
+    old_names = generation == "jetson"  # 0.12: max_new_tokens and random_seed only
+    assert (sp.max_new_tokens if old_names else sp.max_tokens) == 4 and sp.end_id == 1
+    assert (sp.random_seed if old_names else sp.seed) is not None  # always seeded
     assert engine.info.backend == "trtllm"
 
 
@@ -130,9 +131,10 @@ def test_jetson_uses_old_names_where_needed_and_has_no_abort(
         return out
 
     deltas = asyncio.run(run())
-    # no stop_token_ids on 0.12: our reader ends the sequence on the stop id
     assert tokens(deltas) == [10, 11, 12]
     assert finish(deltas).stop_token_id == 12
+    sp = engine._llm.calls[0]["sampling_params"]
+    assert sp.stop_token_ids == [12] and sp.max_new_tokens == 8 and sp.random_seed is not None
     result_cls = sys.modules["tensorrt_llm.hlapi.llm"].GenerationResult
     assert not hasattr(result_cls, "abort")
 
@@ -150,6 +152,9 @@ def test_jetson_standin_rejects_new_names(standin: Any) -> None:
         {"guided_decoding": object()},
         {"detokenize": False},
         {"min_p": 0.1},
+        {"max_tokens": 4},
+        {"seed": 1},
+        {"min_tokens": 1},
     ):
         with pytest.raises(TypeError):
             JetsonSP(**bad)
@@ -159,9 +164,19 @@ def test_v016_standin_rejects_later_names(standin: Any) -> None:
     standin("v0")
     from tensorrt_llm import SamplingParams as V0SP
 
-    for bad in ({"logits_processor": object()}, {"prompt_logprobs": 1}, {"min_p": 0.1}):
+    for bad in ({"logits_processor": object()}, {"prompt_logprobs": 1}, {"min_p": 0.1}, {"logprobs": 1}):
         with pytest.raises(TypeError):
             V0SP(**bad)
+    V0SP(return_log_probs=True, beam_width=2, num_return_sequences=2)
+    from tensorrt_llm.lora_manager import LoraConfig
+
+    with pytest.raises(TypeError):
+        LoraConfig(max_loras=8)
+    from tensorrt_llm.llmapi.llm_utils import LlmArgs
+
+    for bad in ({"gather_generation_logits": True}, {"lora_config": object()}):
+        with pytest.raises(TypeError):
+            LlmArgs(model="m", **bad)
 
 
 def test_abort_calls_request_output_abort(standin: Any, tmp_path: Path) -> None:

@@ -4,13 +4,14 @@ bites on (the stand-ins reproduce that source; see tests/standins/README.md)."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.standins import harness
-from tests.unit.test_trtllm_engine import collect, make_engine, request
+from tests.unit.test_trtllm_engine import collect, finish, make_engine, request, tokens
 
 standin = harness.standin
 
@@ -89,3 +90,33 @@ def test_lora_on_a_1x_tensorrt_engine_keeps_the_engines_target_modules(standin: 
     deltas = asyncio.run(collect(e, request(max_tokens=1, adapter="sql")))
     assert e._llm.lora_module_layers == 2 * 3
     assert deltas and e._llm.calls[-1]["lora_request"].lora_name == "sql"
+
+
+@pytest.mark.parametrize("generation", ["v1", "v0", "jetson"])
+def test_a_stop_token_stays_in_the_output_as_on_the_torch_engine(
+    standin: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, generation: str
+) -> None:
+    """TensorRT-LLM trims a matched stop token from token_ids unless include_stop_str_in_output; the
+    torch engine keeps it (and counts it). 0.12 has no stop_reason: the kept token is how we know."""
+    e = make_engine(standin, tmp_path, generation, jetson=generation == "jetson", monkeypatch=monkeypatch)
+    deltas = asyncio.run(collect(e, request(max_tokens=8, stop_token_ids=(12,))))
+    assert tokens(deltas) == [10, 11, 12]
+    assert (finish(deltas).finish_reason, finish(deltas).stop_token_id) == ("stop", 12)
+
+
+def test_ignore_eos_keeps_the_stop_token_ids_on_main(standin: Any, tmp_path: Path) -> None:
+    """Main's worker sends stop_words=[] when ignore_eos is set: our own check must stop on them."""
+    e = make_engine(standin, tmp_path, "v1")
+    sys.modules["tensorrt_llm"].__version__ = "1.4.0"
+    e = make_engine_here(e)
+    deltas = asyncio.run(collect(e, request(max_tokens=8, stop_token_ids=(12,), ignore_eos=True)))
+    assert tokens(deltas) == [10, 11, 12]
+    assert (finish(deltas).finish_reason, finish(deltas).stop_token_id) == ("stop", 12)
+    assert e._llm.aborted, "the request runs on in TensorRT-LLM after our stop"
+
+
+def make_engine_here(e: Any) -> Any:
+    """The same engine directory, probed again (after the stand-in's version was changed)."""
+    from trtserver.engine.trtllm import TrtllmEngine
+
+    return TrtllmEngine(e.config)

@@ -77,7 +77,8 @@ def test_detect_probes_each_standin(standin: Any) -> None:
     assert f.has_guided_params and f.lora and "prompt_logprobs" not in f.sampling_fields
     f = detect(standin("jetson"), has_engine=True)
     assert not f.has_abort and not f.multiple_sequences and not f.lora and not f.has_guided_params
-    assert f.name("stop_token_ids") is None and f.name("seed", "random_seed") == "seed"
+    assert f.name("stop_token_ids") == "stop_token_ids" and f.name("seed", "random_seed") == "random_seed"
+    assert f.name("max_tokens", "max_new_tokens") == "max_new_tokens" and "embedding_bias" in f.sampling_fields
 
 
 def test_stub_without_version_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

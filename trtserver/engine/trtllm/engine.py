@@ -349,8 +349,8 @@ class TrtllmEngine:
                         continue
                     yield delta
         finally:
-            if not translator.finished:
-                self._cancel(active)
+            if not translator.finished or not getattr(active.output, "finished", True):
+                self._cancel(active)  # the client left, or we ended it (our stop ids) before TRT-LLM did
             self._active.pop(request.request_id, None)
 
     @staticmethod

@@ -96,6 +96,12 @@ def prepare(request: GenerationRequest, f: ApiFeatures, *, eos_ids: tuple[int, .
     if stop_ids:
         if "stop_token_ids" in f.sampling_fields:
             kw["stop_token_ids"] = stop_ids
+            if "include_stop_str_in_output" in f.sampling_fields:
+                # TRT-LLM would cut the matched stop token from token_ids; the torch engine keeps it
+                kw["include_stop_str_in_output"] = True
+            if s.ignore_eos:
+                # main's worker drops every stop word when ignore_eos is set: stop on them ourselves too
+                prep.our_stop_ids = frozenset(stop_ids)
         else:
             prep.our_stop_ids = frozenset(stop_ids)
     # several sequences / beams
