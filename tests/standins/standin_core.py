@@ -64,6 +64,20 @@ def release(llm: Any) -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def check_embedding_bias(sp: Any, config: dict[str, Any]) -> None:
+    """C++: ``TLLM_CHECK_WITH_INFO(embeddingBias->getShape().d[1] == modelConfig.getVocabSize(), ...)``
+    (the PyTorch backend's sampler adds the row to the logits, which fails the same way)."""
+    bias = getattr(sp, "embedding_bias", None)
+    vocab = vocab_size(config)
+    if bias is not None and int(bias.shape[-1]) != vocab:
+        try:
+            from tensorrt_llm.executor import RequestError
+        except ImportError:  # the 0.12 stand-in models no executor module: the C++ error as it is
+            RequestError = RuntimeError  # noqa: N806
+        raise RequestError("The embedding bias shape is not as expected. Expected last dimension to be "
+                           f"same as vocab size: {vocab}.")
+
+
 def read_engine_config(model: str | Path) -> dict[str, Any]:
     path = Path(model) / "config.json"
     if not path.is_file():

@@ -120,3 +120,15 @@ def make_engine_here(e: Any) -> Any:
     from trtserver.engine.trtllm import TrtllmEngine
 
     return TrtllmEngine(e.config)
+
+
+@pytest.mark.parametrize(("generation", "engine", "vocab"), [("v1", False, 80), ("v1", True, 60), ("jetson", True, 80)])
+def test_embedding_bias_has_the_models_vocab_size(
+    standin: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, generation: str, engine: bool, vocab: int
+) -> None:
+    """config.json's vocab_size is often padded past the tokenizer's 64 (Qwen2.5: 151936 vs 151665)."""
+    e = make_engine(standin, tmp_path, generation, engine=engine, jetson=generation == "jetson",
+                    monkeypatch=monkeypatch, build={"vocab_size": vocab})
+    asyncio.run(collect(e, request(max_tokens=2, logit_bias=((5, 2.0),))))
+    bias = e._llm.calls[-1]["sampling_params"].embedding_bias
+    assert bias.shape == (vocab,) and float(bias[5]) == 2.0

@@ -179,7 +179,7 @@ class TrtllmEngine:
         context = self.manifest.context_length
         if f.build.max_seq_len:
             context = min(context, f.build.max_seq_len)
-        vocab = max(self._tokenizer.vocab_size, f.build.vocab_size)
+        vocab = self.model_vocab_size or self._tokenizer.vocab_size
         beam = f.trt_backend and f.build.max_beam_width > 1 and (
             "use_beam_search" in f.sampling_fields or "beam_width" in f.sampling_fields)
         if f.trt_backend:
@@ -286,6 +286,7 @@ class TrtllmEngine:
     def _embedding_bias(self, pairs: list[tuple[int, float]], allowed: tuple[int, ...] | None) -> Any:
         import torch
 
+        # TRT-LLM checks the length against the model's vocab_size (not the tokenizer's)
         bias = torch.zeros(self._info.vocab_size, dtype=torch.float32)
         if allowed is not None:
             bias.fill_(float("-inf"))

@@ -46,6 +46,7 @@ class LLM:
         if not isinstance(sp, SamplingParams):
             raise TypeError("sampling_params must be SamplingParams")
         prompt = list(inputs)
+        core.check_embedding_bias(sp, self.config)
         self.calls.append({"inputs": prompt, "sampling_params": sp, "streaming": streaming})
         outs = [CompletionOutput(index=i) for i in range(sp.beam_width)]
         result = GenerationResult(prompt, outs, streaming=streaming)

@@ -77,6 +77,7 @@ class BaseLLM:
         if not isinstance(sp, SamplingParams):
             raise TypeError("sampling_params must be SamplingParams")
         prompt = list(inputs["prompt_token_ids"] if isinstance(inputs, dict) else inputs)
+        core.check_embedding_bias(sp, self.config)
         self._check_arguments(prompt, sp)
         self.calls.append(
             {"inputs": prompt, "sampling_params": sp, "lora_request": lora_request, "streaming": streaming}

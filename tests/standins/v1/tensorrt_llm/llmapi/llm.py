@@ -149,6 +149,7 @@ class BaseLLM:
         if not isinstance(sp, SamplingParams):
             raise TypeError("sampling_params must be SamplingParams")
         prompt = list(inputs["prompt_token_ids"] if isinstance(inputs, dict) else inputs)
+        core.check_embedding_bias(sp, self.config)
         self._check_arguments(prompt, sp)
         if lora_request is not None and self.lora_module_layers == 0:
             # a PEFT cache sized for no module can hold no adapter (the likely outcome in C++)
