@@ -175,6 +175,8 @@ async def run(result: Result, sp: Any, llm: Any, *, finish_reasons: bool) -> Non
     keep_stop = bool(get(sp, "include_stop_str_in_output", default=False))
     top_k = get(sp, "logprobs")
     floats = bool(getattr(sp, "_return_log_probs", False) or get(sp, "return_log_probs", default=False))
+    if top_k and not getattr(llm, "trt", True) and release(llm) < (1, 1):
+        top_k, floats = None, True  # 1.0's PyTorch sampler: the sampled token's logprob only, as floats
     prompt_lp = get(sp, "prompt_logprobs")
     outs = result.outputs
     scores = context_logits(result.prompt_token_ids, vocab_size(llm.config))

@@ -12,6 +12,7 @@ import pytest
 
 from tests.standins import harness
 from tests.unit.test_trtllm_engine import collect, finish, make_engine, request, tokens
+from trtserver.config import ServerConfig
 
 standin = harness.standin
 
@@ -132,3 +133,55 @@ def test_embedding_bias_has_the_models_vocab_size(
     asyncio.run(collect(e, request(max_tokens=2, logit_bias=((5, 2.0),))))
     bias = e._llm.calls[-1]["sampling_params"].embedding_bias
     assert bias.shape == (vocab,) and float(bias[5]) == 2.0
+
+
+def test_request_error_at_enqueue_is_a_400_or_a_503(standin: Any, tmp_path: Path) -> None:
+    from trtserver.errors import InvalidRequest, Overloaded
+
+    e = make_engine(standin, tmp_path, "v1", build={"max_input_len": 4})
+
+    async def run(req: Any, queue: int | None = None) -> None:
+        await e.start()
+        e._llm.max_queue_size = queue
+        [d async for d in e.generate(req)]
+
+    with pytest.raises(InvalidRequest) as bad:
+        asyncio.run(run(request(prompt=[2, 3, 4, 5, 6], max_tokens=1)))
+    assert bad.value.status == 400 and "Prompt length" in bad.value.message
+    with pytest.raises(Overloaded) as busy:
+        asyncio.run(run(request(max_tokens=1), queue=0))
+    assert busy.value.status == 503 and "try again later" in busy.value.message
+
+
+def test_pytorch_10_logprobs_above_0_are_refused(standin: Any, tmp_path: Path) -> None:
+    """1.0's PyTorch backend returns the sampled token's logprob as a float: no top alternatives."""
+    standin("v1")
+    sys.modules["tensorrt_llm"].__version__ = "1.0.0"
+    e = make_engine_here(make_engine_keep(standin, tmp_path))
+    assert e.check(request(logprobs=1))[0][0] == "logprobs"
+    assert e.info.capabilities.max_logprobs == 0
+    deltas = asyncio.run(collect(e, request(max_tokens=2, logprobs=0)))
+    assert [lp for d in deltas for lp in d.logprobs or []] == [-0.25, -0.25]
+
+
+def make_engine_keep(standin: Any, tmp_path: Path) -> Any:
+    """A PyTorch-backend engine on the already imported stand-in (its version as the test set it)."""
+    from trtserver.engine.trtllm import TrtllmEngine
+
+    root = harness.make_engine_dir(tmp_path / "e", trtllm_version=None)
+    return TrtllmEngine(ServerConfig(engine_dir=str(root)))
+
+
+@pytest.mark.parametrize("backend", ["outlines", "llguidance"])
+def test_pytorch_guided_backend_is_passed_only_when_it_can_be(
+    standin: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """TorchLlmArgs.guided_decoding_backend is Literal["xgrammar", "llguidance"]; anything else fails at
+    LLM(); llguidance must be importable."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llguidance" else real(name, *a))
+    e = make_engine(standin, tmp_path, "v1", engine=False, trtllm_guided_decoding_backend=backend)
+    asyncio.run(e.start())
+    assert "guided_decoding_backend" not in e._llm.kwargs

@@ -14,10 +14,13 @@ import importlib.util
 import json
 import os
 import pickle
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import structlog
 
 from trtserver.engine.base import Capabilities, EngineInfo, EngineStats, GenerationRequest, SequenceOutput
 from trtserver.engine.trtllm.mapping import needs_logits_processor, refusals
@@ -31,9 +34,10 @@ from trtserver.engine.trtllm.version import (
     guided_params_class,
     llm_class,
     lora_request_class,
+    request_error_class,
     sampling_params_class,
 )
-from trtserver.errors import EngineError, InvalidRequest, Unsupported
+from trtserver.errors import APIError, EngineError, InvalidRequest, Overloaded, Unsupported
 from trtserver.manifest import Manifest, load_manifest
 from trtserver.tokenizer import Tokenizer
 
@@ -44,6 +48,10 @@ if TYPE_CHECKING:
 
 __all__ = ["TrtllmEngine"]
 
+log = structlog.get_logger("trtserver.engine")
+
+# the executor's own words for a full queue or cache (executorImpl.cpp: "... please try again later")
+_BUSY = re.compile(r"try again later|queue size|queue is full|cache is full|no free", re.IGNORECASE)
 _ABORT = object()
 _MAX_LORAS = 8  # adapters resident on the GPU
 _MAX_CPU_LORAS = 16  # adapters cached in host memory
@@ -164,13 +172,20 @@ class TrtllmEngine:
     # --- internals ---------------------------------------------------------------------------
 
     def _guided_backend(self, f: ApiFeatures) -> str | None:
+        """The guided-decoding backend to start TRT-LLM with; None: our guides run in a logits processor."""
         wanted = getattr(self.config, "trtllm_guided_decoding_backend", "xgrammar")
         if not wanted or not f.has_guided_params:
             return None
-        if wanted == "xgrammar" and importlib.util.find_spec("xgrammar") is None:
+        # TRT: anything but xgrammar raises at LLM(); PyTorch: a Literal["xgrammar", "llguidance"] field
+        accepted = ("xgrammar",) if f.trt_backend else ("xgrammar", "llguidance")
+        if wanted not in accepted:
+            log.warning("trtllm_guided_backend_not_passed", backend=wanted, accepted=accepted,
+                        reason=f"TensorRT-LLM's {'TensorRT' if f.trt_backend else 'PyTorch'} backend "
+                               "accepts only these")
             return None
-        if wanted != "xgrammar" and f.trt_backend:
-            return None  # the TRT backend accepts only xgrammar (anything else raises at LLM())
+        if importlib.util.find_spec(wanted) is None:
+            log.warning("trtllm_guided_backend_not_passed", backend=wanted, reason="it is not importable")
+            return None
         return str(wanted)
 
     def _make_info(self) -> EngineInfo:
@@ -185,7 +200,7 @@ class TrtllmEngine:
         if f.trt_backend:
             max_logprobs = self.config.max_logprobs if f.gather_generation_logits else 0
         else:
-            max_logprobs = self.config.max_logprobs if f.release >= (1, 1, 0) else 1
+            max_logprobs = self.config.max_logprobs if f.release >= (1, 1, 0) else 0
         prompt_lp = f.build.gather_context_logits or not f.trt_backend
         caps = Capabilities(
             prompt_logprobs="return_context_logits" in f.sampling_fields and prompt_lp,
@@ -327,7 +342,7 @@ class TrtllmEngine:
         except (ValueError, TypeError) as exc:  # TRT-LLM's own per-request checks (_check_arguments)
             raise InvalidRequest(str(exc)) from exc
         except RuntimeError as exc:
-            raise EngineError(f"TensorRT-LLM refused the request: {exc}") from exc
+            raise self._refused(exc) from exc
         active.output = output
         active.pump = asyncio.get_running_loop().create_task(self._pump(output, active.queue, prep.streaming))
         self._pumps.add(active.pump)
@@ -366,6 +381,19 @@ class TrtllmEngine:
         except Exception as exc:  # noqa: BLE001 - handed to the reader
             queue.put_nowait(exc)
         queue.put_nowait(_DONE)
+
+    def _refused(self, exc: RuntimeError) -> APIError:
+        """An error from ``generate_async``: the executor's ``RequestError`` is about this request
+        (a 400), or about its capacity (a 503); anything else is the engine failing."""
+        text = str(exc)
+        if self._llm is None or "shutting down" in text:
+            return Overloaded("the TensorRT-LLM engine is shutting down")
+        request_error = request_error_class(self.trtllm)
+        if request_error is not None and isinstance(exc, request_error):
+            if _BUSY.search(text):
+                return Overloaded(f"TensorRT-LLM cannot take more requests now: {text}")
+            return InvalidRequest(f"TensorRT-LLM refused the request: {text}")
+        return EngineError(f"TensorRT-LLM failed to take the request: {text}")
 
     def _cancel(self, active: _Active) -> None:
         """Stop the request in TRT-LLM where the version can; otherwise it runs on to max_tokens."""

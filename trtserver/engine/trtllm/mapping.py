@@ -155,8 +155,9 @@ def _check_logprobs(r: GenerationRequest, f: ApiFeatures) -> str | None:
             return ("top logprobs on a TensorRT engine need gather_generation_logits at start (server option "
                     "trtllm_gather_generation_logits)" + ("; only logprobs=0 is available" if k > 0 and
                                                           "_return_log_probs" in f.sampling_fields else ""))
-    if f.generation is Generation.V1_PYTORCH and k > 1 and f.release < (1, 1, 0):
-        return f"TensorRT-LLM {f.version}'s PyTorch backend returns only the top-1 logprob"
+    if f.generation is Generation.V1_PYTORCH and k > 0 and f.release < (1, 1, 0):
+        return (f"TensorRT-LLM {f.version}'s PyTorch backend returns only the sampled token's logprob "
+                "(logprobs=0), no top alternatives")
     return None
 
 
@@ -254,7 +255,7 @@ RULES: tuple[Rule, ...] = (
          + (C("embedding_bias where the wheel has it, else refused"),), _check_bias),
     Rule("logprobs", (C("0: sampled-token logprob (_return_log_probs); "
                         "≥1 needs trtllm_gather_generation_logits"),
-                      N("1.0: top-1 only; 1.1+: top-k"),
+                      N("1.0: 0 only (the sampled token's logprob); 1.1+: top-k"),
                       C("0: return_log_probs; ≥1 needs gather_generation_logits"),
                       C("0 only (return_log_probs)")), _check_logprobs),
     Rule("prompt_logprobs / echo+logprobs / loglikelihood",

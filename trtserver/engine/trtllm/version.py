@@ -253,6 +253,16 @@ def lora_request_class(module: ModuleType) -> type | None:
         return None
 
 
+def request_error_class(module: ModuleType) -> type[BaseException] | None:
+    """``RequestError(RuntimeError)``: what the executor raises for one request it cannot take."""
+    root = module.__name__
+    try:
+        return _first_attr(module, [f"{root}.executor:RequestError",  # type: ignore[no-any-return]
+                                    f"{root}.executor.utils:RequestError"])
+    except TrtllmVersionError:
+        return None
+
+
 def choose_generation(version: str, *, has_engine: bool) -> Generation:
     release = parse_release(version)
     if release < (0, 12, 0):

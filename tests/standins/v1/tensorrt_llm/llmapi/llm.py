@@ -128,6 +128,7 @@ class BaseLLM:
         self.crashed = False
         self.shut = False
         self.script: list[int] | None = None
+        self.max_queue_size: int | None = None
 
     def generate_async(
         self,
@@ -151,6 +152,13 @@ class BaseLLM:
         prompt = list(inputs["prompt_token_ids"] if isinstance(inputs, dict) else inputs)
         core.check_embedding_bias(sp, self.config)
         self._check_arguments(prompt, sp)
+        if self.max_queue_size is not None and len(self.calls) >= self.max_queue_size:
+            # executorImpl.cpp enqueueRequests, surfacing as the worker's RequestError
+            raise RequestError(
+                f"Maximum queue size of {self.max_queue_size} has been reached, please try again later"
+            )
+        if len(prompt) > self.config.get("build_config", {}).get("max_input_len", 1 << 30):
+            raise RequestError(f"Prompt length ({len(prompt)}) exceeds maximum input length")
         if lora_request is not None and self.lora_module_layers == 0:
             # a PEFT cache sized for no module can hold no adapter (the likely outcome in C++)
             raise RequestError("LoRA adapter does not fit the PEFT cache (0 module layers)")
