@@ -17,6 +17,7 @@ import pickle
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +78,13 @@ def _hf_vocab_size(model_dir: Path) -> int:
         return 0
 
 
+def _shutdown_when_built(building: asyncio.Future[Any]) -> None:
+    if not building.cancelled() and building.exception() is None:
+        llm = building.result()
+        if hasattr(llm, "shutdown"):
+            llm.shutdown()
+
+
 class TrtllmEngine:
     """``Engine`` over TensorRT-LLM's LLM API."""
 
@@ -94,21 +102,32 @@ class TrtllmEngine:
             build = BuildFacts.from_config(json.loads((self.trt_engine_dir / "config.json").read_text()))
         self.model_vocab_size = build.vocab_size or _hf_vocab_size(self.engine_path)
         """The model's vocabulary (logits width without padding), 0 when unknown."""
+        self.build = build
         self.tp = int(getattr(config, "tensor_parallel_size", 1) or 1)
         self.pp = int(getattr(config, "pipeline_parallel_size", 1) or 1)
-        self.trtllm: ModuleType = importlib.import_module("tensorrt_llm")
-        features = detect(self.trtllm, has_engine=self.trt_engine_dir is not None, build=build)
-        gather = (bool(getattr(config, "trtllm_gather_generation_logits", False))
-                  or build.gather_generation_logits)
-        self.features: ApiFeatures = features.with_options(
-            gather_generation_logits=gather and features.llm_accepts("gather_generation_logits"),
-            guided_backend=self._guided_backend(features),
-            lora_enabled=config.adapters_dir is not None and features.lora)
         self._llm: Any = None
         self._active: dict[str, _Active] = {}
         self._pumps: set[asyncio.Task[None]] = set()
         self._lora_ids: dict[str, int] = {}
-        self._info = self._make_info()
+
+    @cached_property
+    def trtllm(self) -> ModuleType:
+        """``tensorrt_llm`` (imported in ``start()``'s worker thread, or on first use before it)."""
+        return importlib.import_module("tensorrt_llm")
+
+    @cached_property
+    def features(self) -> ApiFeatures:
+        features = detect(self.trtllm, has_engine=self.trt_engine_dir is not None, build=self.build)
+        gather = (bool(getattr(self.config, "trtllm_gather_generation_logits", False))
+                  or self.build.gather_generation_logits)
+        return features.with_options(
+            gather_generation_logits=gather and features.llm_accepts("gather_generation_logits"),
+            guided_backend=self._guided_backend(features),
+            lora_enabled=self.config.adapters_dir is not None and features.lora)
+
+    @cached_property
+    def _info(self) -> EngineInfo:
+        return self._make_info()
 
     # --- Engine protocol ---------------------------------------------------------------------
 
@@ -121,18 +140,29 @@ class TrtllmEngine:
         return self._tokenizer
 
     async def start(self) -> None:
-        """Construct TRT-LLM's LLM on the loop thread (it loads the engine; this blocks until ready)."""
+        """Import TensorRT-LLM and build its ``LLM`` (which loads the engine, for minutes) in a worker
+        thread, so the event loop goes on answering ``/health`` with "loading" meanwhile."""
         if self._llm is not None:
             return
+        loop = asyncio.get_running_loop()
+        building = loop.run_in_executor(None, self._build_llm)
+        try:
+            self._llm = await asyncio.shield(building)
+        except asyncio.CancelledError:
+            building.add_done_callback(_shutdown_when_built)  # the server stopped while it loaded
+            raise
+
+    def _build_llm(self) -> Any:
         if self.tp * self.pp == 1:
             # in-process executor worker: our per-request logits processors need not be pickled
             os.environ.setdefault("TLLM_WORKER_USE_SINGLE_PROCESS", "1")
         os.environ.setdefault("TLLM_ALLOW_N_GREEDY_DECODING", "1")  # greedy n>1: serving asked for it
         cls = llm_class(self.trtllm, self.features.generation)
+        self._info  # noqa: B018 - probed here, off the event loop
         model = str(self.trt_engine_dir or self.engine_path)
         kwargs = llm_kwargs(self.features, tokenizer_dir=str(self.tokenizer_dir), tp=self.tp, pp=self.pp,
                             lora=self._lora_llm_kwargs())
-        self._llm = cls(model=model, **kwargs)
+        return cls(model=model, **kwargs)
 
     async def shutdown(self) -> None:
         for request_id in list(self._active):

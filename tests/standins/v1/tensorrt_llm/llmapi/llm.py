@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,7 @@ class RequestOutput(core.Result):
 
 class BaseLLM:
     trt = False
+    load_seconds = 0.0  # how long building the executor takes (a blocking wait, as a real load is)
 
     def __init__(self, model: str, tokenizer: str | None = None, **kwargs: Any) -> None:
         core.check_kwargs(kwargs, COMMON | (TRT_ONLY if self.trt else set()))
@@ -115,6 +117,7 @@ class BaseLLM:
             self.trt and backend not in (None, "xgrammar")
         ):
             raise ValueError(f"Unsupported guided decoding backend {backend}")
+        time.sleep(self.load_seconds)
         self.config = core.read_engine_config(model)
         is_engine = "pretrained_config" in self.config and "build_config" in self.config
         if self.trt != is_engine:
