@@ -185,3 +185,19 @@ def test_pytorch_guided_backend_is_passed_only_when_it_can_be(
     e = make_engine(standin, tmp_path, "v1", engine=False, trtllm_guided_decoding_backend=backend)
     asyncio.run(e.start())
     assert "guided_decoding_backend" not in e._llm.kwargs
+
+
+# --- what TensorRT-LLM can do that was refused -------------------------------------------------------
+
+
+def test_ignore_eos_on_012_sends_end_id_minus_1(standin: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    e = make_engine(standin, tmp_path, "jetson", jetson=True, monkeypatch=monkeypatch)
+
+    async def run() -> Any:
+        await e.start()
+        e._llm.script = [5, 1, 6, 7]
+        return [d async for d in e.generate(request(max_tokens=4, ignore_eos=True))]
+
+    deltas = asyncio.run(run())
+    assert tokens(deltas) == [5, 1, 6, 7] and finish(deltas).finish_reason == "length"
+    assert e._llm.calls[-1]["sampling_params"].end_id == -1

@@ -125,12 +125,6 @@ def _check_min_p(r: GenerationRequest, f: ApiFeatures) -> str | None:
     return None
 
 
-def _check_ignore_eos(r: GenerationRequest, f: ApiFeatures) -> str | None:
-    if r.sampling.ignore_eos and "ignore_eos" not in f.sampling_fields:
-        return f"TensorRT-LLM {f.version} has no ignore_eos (added in 0.15)"
-    return None
-
-
 def _check_bias(r: GenerationRequest, f: ApiFeatures) -> str | None:
     s = r.sampling
     if (s.logit_bias or s.allowed_token_ids is not None) and "embedding_bias" not in f.sampling_fields \
@@ -235,6 +229,7 @@ def _check_processors(r: GenerationRequest, f: ApiFeatures) -> str | None:
 # --- the table -------------------------------------------------------------------------------------
 
 _ALL_OURS = (O(), O(), O(), O())
+_IGNORE_EOS_STOPS = "stop_token_ids still stop (ours too: main sends no stop words with it)"
 
 RULES: tuple[Rule, ...] = (
     Rule("prompt", (N("token ids as prompt_token_ids"),) * 4),
@@ -247,7 +242,8 @@ RULES: tuple[Rule, ...] = (
          + (N("seed (or random_seed), always set"),)),
     Rule("frequency_penalty / presence_penalty / repetition_penalty", (N(),) * 4),
     Rule("min_tokens", (N(), N(), N(), N("min_tokens (or min_length)"))),
-    Rule("ignore_eos", (N(), N(), C("0.15+"), R("no ignore_eos")), _check_ignore_eos),
+    Rule("ignore_eos", (N(_IGNORE_EOS_STOPS), N(_IGNORE_EOS_STOPS),
+                        N("0.15+; before: end_id=-1 (unverified in C++)"), N("end_id=-1 (unverified in C++)"))),
     Rule("stop_token_ids", (N("plus extra EOS ids"),) * 3
          + (N("stop_token_ids where the wheel has it, else ours: we stop reading (the GPU runs on)"),)),
     Rule("logit_bias / allowed_token_ids", (N("embedding_bias ([vocab] fp32; allowed ids: -inf elsewhere)"),)

@@ -88,7 +88,10 @@ def prepare(request: GenerationRequest, f: ApiFeatures, *, eos_ids: tuple[int, .
     if s.repetition_penalty != 1.0:
         kw["repetition_penalty"] = s.repetition_penalty
     if s.ignore_eos:
-        kw["ignore_eos"] = True
+        if "ignore_eos" in f.sampling_fields:
+            kw["ignore_eos"] = True
+        else:
+            kw["end_id"] = -1  # what 0.15+'s worker sends for ignore_eos; before 0.15 it reaches C++ as is
     # stop token ids (extra EOS ids too: TRT-LLM knows one end_id)
     stop_ids = list(s.stop_token_ids)
     if not s.ignore_eos:

@@ -53,6 +53,7 @@ class StreamTranslator:
         self.max_tokens = max_tokens
         self.has_finish_reason = has_finish_reason
         self.beam = request.sampling.use_beam_search
+        self.ignore_eos = request.sampling.ignore_eos
         self.k = request.sampling.logprobs
         count = request.n
         self.sent = [0] * count
@@ -138,7 +139,7 @@ class StreamTranslator:
         """No finish_reason on this version (before 0.14)."""
         if ids and (ids[-1] in self.stop_ids or ids[-1] in self.our_stop_ids) and ids[-1] not in self.eos_ids:
             return "stop", ids[-1]
-        if len(ids) >= self.max_tokens and not (ids and ids[-1] in self.eos_ids):
+        if len(ids) >= self.max_tokens and not (ids and ids[-1] in self.eos_ids and not self.ignore_eos):
             return "length", None
         return "stop", None
 
