@@ -46,6 +46,16 @@ def context_logits(prompt: list[int], vocab: int) -> Any:
     return logits
 
 
+def generation_logits_row(tok: int, vocab: int) -> Any:
+    """The logits a generated token was sampled from: it is favoured, ``tok + 1`` next."""
+    import torch
+
+    row = torch.zeros(vocab, dtype=torch.float32)
+    row[tok % vocab] = 2.0
+    row[(tok + 1) % vocab] = 1.0
+    return row
+
+
 def topk_logprobs(logits: Any, k: int) -> list[dict[int, Logprob]]:
     """TensorRT-LLM's ``_topk_logprobs(logits, k, tokens=None)``: one dict per row, ranks from 1."""
     import torch
@@ -173,6 +183,8 @@ async def run(result: Result, sp: Any, llm: Any, *, finish_reasons: bool) -> Non
     if ignore_eos and release(llm) > (1, 2):
         stop_ids = []  # main's base_worker: stop_words=[] if ignore_eos else _get_stop_words()
     keep_stop = bool(get(sp, "include_stop_str_in_output", default=False))
+    want_logits = bool(getattr(sp, "return_generation_logits", False))
+    vocab = vocab_size(llm.config)
     top_k = get(sp, "logprobs")
     floats = bool(getattr(sp, "_return_log_probs", False) or get(sp, "return_log_probs", default=False))
     if top_k and not getattr(llm, "trt", True) and release(llm) < (1, 1):
@@ -201,6 +213,10 @@ async def run(result: Result, sp: Any, llm: Any, *, finish_reasons: bool) -> Non
                 live.remove(i)
                 continue
             o.token_ids.append(tok)
+            if want_logits:  # [length, vocab], as CompletionOutput.generation_logits (trimmed to length)
+                import torch
+
+                o.generation_logits = torch.stack([generation_logits_row(t, vocab) for t in o.token_ids])
             if top_k:
                 o.logprobs.append({tok: Logprob(-0.25, 1), tok + 1: Logprob(-1.5, 2)})
             elif floats:

@@ -201,3 +201,28 @@ def test_ignore_eos_on_012_sends_end_id_minus_1(standin: Any, tmp_path: Path, mo
     deltas = asyncio.run(run())
     assert tokens(deltas) == [5, 1, 6, 7] and finish(deltas).finish_reason == "length"
     assert e._llm.calls[-1]["sampling_params"].end_id == -1
+
+
+@pytest.mark.parametrize("generation", ["v0", "jetson"])
+def test_top_logprobs_before_020_from_generation_logits(
+    standin: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, generation: str
+) -> None:
+    """0.12-0.19 have no logprobs:int, but return_generation_logits on an engine built to gather them."""
+    import torch
+
+    e = make_engine(standin, tmp_path, generation, jetson=generation == "jetson", monkeypatch=monkeypatch,
+                    build={"gather_generation_logits": True})
+    import standin_core
+    assert e.info.capabilities.max_logprobs > 0
+    deltas = asyncio.run(collect(e, request(max_tokens=3, logprobs=2)))
+    assert tokens(deltas) == [10, 11, 12]
+    values = [v for d in deltas for v in d.logprobs or []]
+    tops = [t for d in deltas for t in d.top_logprobs or []]
+    for tok, value, top in zip([10, 11, 12], values, tops, strict=True):
+        row = torch.log_softmax(standin_core.generation_logits_row(tok, len(harness.VOCAB)), dim=-1)
+        assert value == pytest.approx(float(row[tok]))
+        assert [t for t, _ in top] == [tok, tok + 1]
+        assert [v for _, v in top] == pytest.approx([float(row[tok]), float(row[tok + 1])])
+    plain = make_engine(standin, tmp_path / "plain", generation, jetson=generation == "jetson",
+                        monkeypatch=monkeypatch)
+    assert plain.check(request(logprobs=2))[0][0] == "logprobs"

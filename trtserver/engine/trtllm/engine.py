@@ -228,7 +228,8 @@ class TrtllmEngine:
         beam = f.trt_backend and f.build.max_beam_width > 1 and (
             "use_beam_search" in f.sampling_fields or "beam_width" in f.sampling_fields)
         if f.trt_backend:
-            max_logprobs = self.config.max_logprobs if f.gather_generation_logits else 0
+            gathered = f.gather_generation_logits or f.logits_logprobs
+            max_logprobs = self.config.max_logprobs if gathered else 0
         else:
             max_logprobs = self.config.max_logprobs if f.release >= (1, 1, 0) else 0
         prompt_lp = f.build.gather_context_logits or not f.trt_backend
@@ -364,7 +365,7 @@ class TrtllmEngine:
         translator = StreamTranslator(request, eos_ids=self._tokenizer.eos_token_ids,
                                       our_stop_ids=prep.our_stop_ids, max_tokens=prep.max_tokens,
                                       has_finish_reason=self.features.finish_reason,
-                                      vocab_size=self.model_vocab_size)
+                                      vocab_size=self.model_vocab_size, logits_logprobs=prep.logits_logprobs)
         active = _Active(request=request, queue=asyncio.Queue(), abortable=prep.abortable)
         try:
             output = self._llm.generate_async(list(request.prompt_token_ids), sampling_params=params,

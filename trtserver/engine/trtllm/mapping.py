@@ -138,9 +138,10 @@ def _check_logprobs(r: GenerationRequest, f: ApiFeatures) -> str | None:
     if k is None:
         return None
     if "logprobs" not in f.sampling_fields:
-        if k > 0:
-            return (f"TensorRT-LLM {f.version} returns only the sampled token's logprob; "
-                    "top alternatives (logprobs > 0) are not available")
+        if k > 0 and not f.logits_logprobs:
+            return (f"top alternatives (logprobs > 0) on TensorRT-LLM {f.version} are computed from generation "
+                    "logits: they need an engine built with gather_generation_logits "
+                    "(trtllm-build --gather_generation_logits)")
         if "return_log_probs" not in f.sampling_fields:
             return f"TensorRT-LLM {f.version} cannot return logprobs"
         return None
@@ -252,8 +253,10 @@ RULES: tuple[Rule, ...] = (
     Rule("logprobs", (C("0: sampled-token logprob (_return_log_probs); "
                         "≥1 needs trtllm_gather_generation_logits"),
                       N("1.0: 0 only (the sampled token's logprob); 1.1+: top-k"),
-                      C("0: return_log_probs; ≥1 needs gather_generation_logits"),
-                      C("0 only (return_log_probs)")), _check_logprobs),
+                      C("0.20+: as 1.x; before: 0 is return_log_probs, ≥1 is computed by us from "
+                        "generation_logits of an engine built with gather_generation_logits"),
+                      C("0 is return_log_probs; ≥1 is computed by us from generation_logits of an engine "
+                        "built with gather_generation_logits")), _check_logprobs),
     Rule("prompt_logprobs / echo+logprobs / loglikelihood",
          (C("return_context_logits, scored by us; engine built with gather_context_logits"),
           N("return_context_logits, scored by us"),

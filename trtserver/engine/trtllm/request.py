@@ -37,6 +37,8 @@ class Prepared:
     embedding_bias: list[tuple[int, float]] | None = None
     """(token, bias) pairs; ``allowed_only`` turns every other token to -inf."""
     allowed_only: tuple[int, ...] | None = None
+    logits_logprobs: bool = False
+    """Logprobs are computed by the stream reader from ``generation_logits``."""
 
 
 def _early_stopping(value: bool | str) -> int:
@@ -127,6 +129,9 @@ def prepare(request: GenerationRequest, f: ApiFeatures, *, eos_ids: tuple[int, .
                 prep.attrs["_return_log_probs"] = True
             else:
                 kw["logprobs"] = max(s.logprobs, 1)
+        elif s.logprobs > 0 and f.logits_logprobs:
+            kw["return_generation_logits"] = True
+            prep.logits_logprobs = True
         else:
             kw["return_log_probs"] = True
     if s.prompt_logprobs is not None:
@@ -138,7 +143,8 @@ def prepare(request: GenerationRequest, f: ApiFeatures, *, eos_ids: tuple[int, .
         prep.allowed_only = s.allowed_token_ids
     # streaming and abort: #10810, and beam search comes back whole
     avoid = s.logprobs is not None and logprobs_without_streaming_abort(f)
-    prep.streaming = not s.use_beam_search and not avoid
+    # generation logits are read whole from the final result
+    prep.streaming = not s.use_beam_search and not avoid and not prep.logits_logprobs
     prep.abortable = f.has_abort and not avoid
     return prep
 

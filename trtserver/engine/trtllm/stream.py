@@ -44,8 +44,10 @@ class StreamTranslator:
     """Turns successive RequestOutput states of one request into deltas."""
 
     def __init__(self, request: GenerationRequest, *, eos_ids: Sequence[int], our_stop_ids: frozenset[int],
-                 max_tokens: int, has_finish_reason: bool, vocab_size: int = 0) -> None:
+                 max_tokens: int, has_finish_reason: bool, vocab_size: int = 0,
+                 logits_logprobs: bool = False) -> None:
         self.request = request
+        self.logits_logprobs = logits_logprobs
         self.vocab_size = vocab_size
         self.eos_ids = frozenset(eos_ids)
         self.stop_ids = frozenset(request.sampling.stop_token_ids)
@@ -144,6 +146,12 @@ class StreamTranslator:
         return "stop", None
 
     def _logprobs(self, delta: SequenceOutput, seq: Any, start: int, total: int) -> None:
+        if self.logits_logprobs:
+            rows = getattr(seq, "generation_logits", None)
+            if rows is not None:
+                delta.logprobs, delta.top_logprobs = token_logprobs(
+                    rows, start, delta.token_ids, self.k or 0, self.vocab_size)
+            return
         items = list(getattr(seq, "logprobs", None) or [])
         count = len(delta.token_ids)
         if len(items) >= total:  # cumulative
@@ -200,4 +208,26 @@ def prompt_logprobs(context_logits: Any, prompt: Sequence[int], k: int, vocab_si
                                                               top_v.clamp_min(LOGPROB_FLOOR).tolist(), strict=True)]
     else:
         tops += [[] for _ in range(n)]
+    return values, tops
+
+
+def token_logprobs(generation_logits: Any, start: int, tokens: Sequence[int], k: int, vocab_size: int = 0
+                   ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Each generated token's logprob and the top ``k``, from ``generation_logits`` rows ``start``….
+
+    ``generation_logits`` is ``[length, vocab_padded]`` (a leading beam axis of 1 is dropped).
+    """
+    import torch
+
+    rows = torch.as_tensor(generation_logits)
+    if rows.dim() == 3:
+        rows = rows[0]
+    if 0 < vocab_size < rows.shape[-1]:
+        rows = rows[:, :vocab_size]
+    logprobs = torch.log_softmax(rows[start:start + len(tokens)].float(), dim=-1)
+    targets = torch.tensor(list(tokens), dtype=torch.long, device=logprobs.device)
+    values = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).clamp_min(LOGPROB_FLOOR).tolist()
+    top_v, top_i = logprobs.topk(k, dim=-1)
+    tops = [list(zip(i, v, strict=True)) for i, v in zip(top_i.tolist(),
+                                                         top_v.clamp_min(LOGPROB_FLOOR).tolist(), strict=True)]
     return values, tops

@@ -149,6 +149,12 @@ class ApiFeatures:
         return "logits_processor" in self.sampling_fields
 
     @property
+    def logits_logprobs(self) -> bool:
+        """Top-k logprobs computed by us from ``generation_logits`` (0.12–0.19: no ``logprobs: int``)."""
+        return ("logprobs" not in self.sampling_fields and "return_generation_logits" in self.sampling_fields
+                and self.build.gather_generation_logits)
+
+    @property
     def priority(self) -> bool:
         return "priority" in self.generate_params
 

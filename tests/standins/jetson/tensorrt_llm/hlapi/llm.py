@@ -47,6 +47,8 @@ class LLM:
             raise TypeError("sampling_params must be SamplingParams")
         prompt = list(inputs)
         core.check_embedding_bias(sp, self.config)
+        if sp.return_generation_logits and not self.config["build_config"].get("gather_generation_logits"):
+            raise ValueError("`return_generation_logits` needs an engine built with gather_generation_logits")
         self.calls.append({"inputs": prompt, "sampling_params": sp, "streaming": streaming})
         outs = [CompletionOutput(index=i) for i in range(sp.beam_width)]
         result = GenerationResult(prompt, outs, streaming=streaming)

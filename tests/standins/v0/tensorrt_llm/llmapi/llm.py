@@ -78,6 +78,8 @@ class BaseLLM:
             raise TypeError("sampling_params must be SamplingParams")
         prompt = list(inputs["prompt_token_ids"] if isinstance(inputs, dict) else inputs)
         core.check_embedding_bias(sp, self.config)
+        if sp.return_generation_logits and not self.config["build_config"].get("gather_generation_logits"):
+            raise ValueError("`return_generation_logits` needs an engine built with gather_generation_logits")
         self._check_arguments(prompt, sp)
         self.calls.append(
             {"inputs": prompt, "sampling_params": sp, "lora_request": lora_request, "streaming": streaming}
