@@ -226,3 +226,27 @@ def test_top_logprobs_before_020_from_generation_logits(
     plain = make_engine(standin, tmp_path / "plain", generation, jetson=generation == "jetson",
                         monkeypatch=monkeypatch)
     assert plain.check(request(logprobs=2))[0][0] == "logprobs"
+
+
+class BeamConfig(ServerConfig, kw_only=True):
+    """The server option a PyTorch-backend beam search needs (the LLM's max_beam_width)."""
+
+    trtllm_max_beam_width: int = 1
+
+
+@pytest.mark.parametrize("version", ["1.0.0", "1.2.0"])
+def test_beam_search_on_the_pytorch_backend_when_started_for_it(standin: Any, tmp_path: Path, version: str) -> None:
+    from trtserver.engine.trtllm import TrtllmEngine
+
+    standin("v1")
+    sys.modules["tensorrt_llm"].__version__ = version
+    root = harness.make_engine_dir(tmp_path / "e", trtllm_version=None)
+    plain = TrtllmEngine(ServerConfig(engine_dir=str(root)))
+    assert plain.check(request(n=2, use_beam_search=True))[0][0] == "use_beam_search"
+    e = TrtllmEngine(BeamConfig(engine_dir=str(root), trtllm_max_beam_width=4))
+    assert e.info.capabilities.beam_search
+    assert e.check(request(n=8, use_beam_search=True))[0][0] == "use_beam_search"
+    deltas = asyncio.run(collect(e, request(n=2, use_beam_search=True, max_tokens=3)))
+    assert sorted({d.index for d in deltas}) == [0, 1] and tokens(deltas, 0) == [10, 11, 12]
+    assert e._llm.kwargs["max_beam_width"] == 4
+    assert e._llm.kwargs.get("enable_trtllm_sampler", False) is (version == "1.0.0")

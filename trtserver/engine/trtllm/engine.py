@@ -123,7 +123,8 @@ class TrtllmEngine:
         return features.with_options(
             gather_generation_logits=gather and features.llm_accepts("gather_generation_logits"),
             guided_backend=self._guided_backend(features),
-            lora_enabled=self.config.adapters_dir is not None and features.lora)
+            lora_enabled=self.config.adapters_dir is not None and features.lora,
+            pytorch_beam_width=int(getattr(self.config, "trtllm_max_beam_width", 1) or 1))
 
     @cached_property
     def _info(self) -> EngineInfo:
@@ -225,7 +226,7 @@ class TrtllmEngine:
         if f.build.max_seq_len:
             context = min(context, f.build.max_seq_len)
         vocab = self.model_vocab_size or self._tokenizer.vocab_size
-        beam = f.trt_backend and f.build.max_beam_width > 1 and (
+        beam = f.max_beam_width > 1 and (
             "use_beam_search" in f.sampling_fields or "beam_width" in f.sampling_fields)
         if f.trt_backend:
             gathered = f.gather_generation_logits or f.logits_logprobs

@@ -176,13 +176,14 @@ def _check_n(r: GenerationRequest, f: ApiFeatures) -> str | None:
 def _check_beam(r: GenerationRequest, f: ApiFeatures) -> str | None:
     if not _is_beam(r):
         return None
-    if not f.trt_backend:
-        return ("beam search on TensorRT-LLM's PyTorch backend needs a dedicated executor configuration; "
-                "serve a prebuilt TensorRT engine or use --engine torch")
     if "use_beam_search" not in f.sampling_fields and "beam_width" not in f.sampling_fields:
         return f"TensorRT-LLM {f.version} has no beam search in its LLM API"
-    if r.n > f.build.max_beam_width:
-        return f"the engine was built with max_beam_width={f.build.max_beam_width}; asked for {r.n} beams"
+    if not f.trt_backend and f.max_beam_width < 2:
+        return ("beam search on TensorRT-LLM's PyTorch backend needs the LLM started for it: "
+                "server option trtllm_max_beam_width ≥ n")
+    if r.n > f.max_beam_width:
+        started = "built" if f.trt_backend else "started"
+        return f"the engine was {started} with max_beam_width={f.max_beam_width}; asked for {r.n} beams"
     return None
 
 
@@ -266,7 +267,9 @@ RULES: tuple[Rule, ...] = (
     Rule("n / best_of", (N("n=best_of=sequences; ranking is ours"), N("n=best_of"), C("0.15+"),
                          R("no n/best_of on the Jetson branch")), _check_n),
     Rule("use_beam_search / length_penalty / early_stopping",
-         (C("engine max_beam_width ≥ n"), R("needs a dedicated PyTorch executor setup"),
+         (C("engine max_beam_width ≥ n"),
+          C("LLM started with max_beam_width ≥ n (server option trtllm_max_beam_width; 1.0: with the "
+            "TRT-LLM sampler, no overlap scheduler, no CUDA graphs)"),
           C("engine max_beam_width ≥ n"), C("beam_width; engine max_beam_width ≥ n")), _check_beam),
     Rule("priority / service_tier", (C("generate_async(priority=) from 1.4; else refused"),
                                      C("generate_async(priority=) from 1.4; else refused"),

@@ -183,6 +183,12 @@ def llm_kwargs(f: ApiFeatures, *, tokenizer_dir: str, tp: int, pp: int,
             kw["tensor_parallel_size"] = tp
         if pp > 1:
             kw["pipeline_parallel_size"] = pp
+        if f.pytorch_beam_width > 1 and f.llm_accepts("max_beam_width"):
+            kw["max_beam_width"] = f.pytorch_beam_width
+            if f.release < (1, 2, 0):
+                # 1.0's beam search is the TRT-LLM sampler's, without overlap scheduler or CUDA graphs
+                beam = {"enable_trtllm_sampler": True, "disable_overlap_scheduler": True, "cuda_graph_config": None}
+                kw.update({k: v for k, v in beam.items() if f.llm_accepts(k)})
     # TP/PP of a prebuilt engine come from the engine's mapping (a different value raises)
     if f.gather_generation_logits:
         kw["gather_generation_logits"] = True

@@ -130,6 +130,8 @@ class ApiFeatures:
     gather_generation_logits: bool = False
     guided_backend: str | None = None
     lora_enabled: bool = False
+    pytorch_beam_width: int = 1
+    """The PyTorch backend's LLM(max_beam_width=...), from the server option (1: no beam search)."""
 
     @property
     def release(self) -> tuple[int, int, int]:
@@ -138,6 +140,11 @@ class ApiFeatures:
     @property
     def trt_backend(self) -> bool:
         return self.generation is not Generation.V1_PYTORCH
+
+    @property
+    def max_beam_width(self) -> int:
+        """Beams a request may ask for: the engine's build, or what the PyTorch LLM was started with."""
+        return self.build.max_beam_width if self.trt_backend else self.pytorch_beam_width
 
     @property
     def multiple_sequences(self) -> bool:

@@ -29,6 +29,7 @@ COMMON = {
     "max_batch_size",
     "max_num_tokens",
     "max_seq_len",
+    "max_beam_width",
     "build_config",
     "enable_chunked_prefill",
     "peft_cache_config",
@@ -51,10 +52,14 @@ TRT_ONLY = {
 }
 
 
+# 1.0 docs/source/1.0/features/sampling.md: beam search needs the TRT-LLM sampler and no overlap/CUDA graphs
+TORCH_ONLY = {"enable_trtllm_sampler", "disable_overlap_scheduler", "cuda_graph_config"}
+
+
 class TorchLlmArgs:
     """``llm_args.TorchLlmArgs`` (a pydantic model with extra="forbid"): its ``model_fields``."""
 
-    model_fields: dict[str, Any] = dict.fromkeys(COMMON)
+    model_fields: dict[str, Any] = dict.fromkeys(COMMON | TORCH_ONLY)
 
 
 class TrtLlmArgs:
@@ -105,7 +110,7 @@ class BaseLLM:
     load_seconds = 0.0  # how long building the executor takes (a blocking wait, as a real load is)
 
     def __init__(self, model: str, tokenizer: str | None = None, **kwargs: Any) -> None:
-        core.check_kwargs(kwargs, COMMON | (TRT_ONLY if self.trt else set()))
+        core.check_kwargs(kwargs, COMMON | (TRT_ONLY if self.trt else TORCH_ONLY))
         bad = set(kwargs) & TRT_ONLY
         if bad and not self.trt:
             raise ValueError(
@@ -208,6 +213,11 @@ class BaseLLM:
                 )
             if sp.use_beam_search and (sp.best_of or 1) > build.get("max_beam_width", 1):
                 raise ValueError("best_of exceeds max_beam_width")
+        if not self.trt and sp.use_beam_search:
+            if (sp.best_of or 1) > self.kwargs.get("max_beam_width", 1):
+                raise ValueError("best_of exceeds the LLM's max_beam_width")
+            if core.release(self) < (1, 2) and not self.kwargs.get("enable_trtllm_sampler"):
+                raise ValueError("beam search on the PyTorch backend needs enable_trtllm_sampler=True")
         if sp.guided_decoding is not None and self.kwargs.get("guided_decoding_backend") is None:
             raise RuntimeError(
                 "Request is specified with GuidedDecodingParams, but GuidedDecoder is not setup"
