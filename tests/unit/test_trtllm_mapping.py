@@ -262,3 +262,13 @@ def test_logits_processor_masks_and_feeds_tokens() -> None:
     logits = torch.zeros(1, 1, 8)
     clone(1, logits, [[]], None, None)
     assert logits[0, 0, 5] == 0.0 and torch.isinf(logits[0, 0, 4])
+
+
+def test_chat_fields_map_onto_rows_of_the_table() -> None:
+    from trtserver.engine.trtllm.mapping import CHAT_FIELDS
+
+    named = {part.strip() for rule in RULES for part in rule.field.split(" / ")}
+    for chat, completions, _ in CHAT_FIELDS:
+        if completions != "the same field":
+            assert set(completions.split(" / ")) <= named, chat
+    assert "| `max_completion_tokens / max_tokens` | `max_tokens` |" in render_markdown()

@@ -1,6 +1,7 @@
 """THE mapping table: every request field -> what TensorRT-LLM does with it, per API generation.
 
-Each row names a wire field of ``/v1/completions`` and, for each generation, whether it is passed
+Each row names a wire field of ``/v1/completions`` (chat's fields map onto them: ``CHAT_FIELDS``) and,
+for each generation, whether it is passed
 to TensorRT-LLM natively, done by our serving layer ("ours": stop strings, detokenization, echo,
 FIM prompt building…), refused with a 400, or conditional on how the engine was built/started.
 ``refusals()`` evaluates the same rows against a concrete request and the probed ``ApiFeatures``;
@@ -121,7 +122,7 @@ def logprobs_without_streaming_abort(f: ApiFeatures) -> bool:
 
 def _check_min_p(r: GenerationRequest, f: ApiFeatures) -> str | None:
     if r.sampling.min_p and "min_p" not in f.sampling_fields:
-        return f"TensorRT-LLM {f.version} has no min_p sampling"
+        return f"TensorRT-LLM {f.version} has no min_p sampling (it is there by 1.0)"
     return None
 
 
@@ -197,7 +198,7 @@ def _check_adapter(r: GenerationRequest, f: ApiFeatures) -> str | None:
     if r.adapter is None:
         return None
     if not f.lora:
-        return f"TensorRT-LLM {f.version} has no LoRA in its LLM API (came in 0.13)"
+        return f"TensorRT-LLM {f.version} has no LoRA in its LLM API (lora_request came in 0.14)"
     if f.trt_backend and not f.build.lora_plugin:
         return "the TensorRT engine was not built with the LoRA plugin (trtllm-build --lora_plugin)"
     if not f.lora_enabled:
@@ -239,7 +240,8 @@ RULES: tuple[Rule, ...] = (
                         N("max_tokens, always set"), N("max_tokens, always set"),
                         N("max_tokens (or max_new_tokens), always set"))),
     Rule("temperature / top_p / top_k", (N("greedy (temperature 0) → top_k=1"),) * 4),
-    Rule("min_p", (N(), N(), C("where SamplingParams has min_p (≈0.17+)"), R("no min_p")), _check_min_p),
+    Rule("min_p", (N(), N(), C("where SamplingParams has min_p (none in 0.12–0.18; there by 1.0)"),
+                   R("no min_p")), _check_min_p),
     Rule("seed", (N("always set: a fresh random seed when unset (TRT-LLM's default seed is 0)"),) * 3
          + (N("seed (or random_seed), always set"),)),
     Rule("frequency_penalty / presence_penalty / repetition_penalty", (N(),) * 4),
@@ -276,7 +278,7 @@ RULES: tuple[Rule, ...] = (
                                      R("no priority before 1.4"), R("no priority before 1.4")),
          _check_priority),
     Rule("peft", (C("LoRARequest from adapters_dir; engine built with --lora_plugin"),
-                  C("LoRARequest from adapters_dir"), C("0.13+; engine built with --lora_plugin"),
+                  C("LoRARequest from adapters_dir"), C("0.14+; engine built with --lora_plugin"),
                   R("no LoRA in the LLM class")), _check_adapter),
     Rule("guided_json / guided_regex / guided_choice / guided_grammar / guided_whitespace_pattern / "
          "guided_decoding_backend / structured_outputs / response_format",
@@ -298,6 +300,18 @@ RULES: tuple[Rule, ...] = (
     Rule("bad_words", _ALL_OURS),
     Rule("model / user / request_id / log_prompt / extra_body", _ALL_OURS),
     Rule("return_tokens_as_token_ids / return_token_ids", _ALL_OURS),
+)
+
+# /v1/chat/completions: the template is rendered by trtserver, so TensorRT-LLM gets token ids exactly as for
+# /v1/completions; chat's own fields become these completions fields, and then follow their rows above
+CHAT_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("messages (+ tools, documents, chat_template_kwargs)", "prompt",
+     "rendered with the model's chat template by trtserver; TensorRT-LLM sees prompt token ids"),
+    ("max_completion_tokens / max_tokens", "max_tokens", ""),
+    ("logprobs + top_logprobs", "logprobs", "logprobs=true with top_logprobs=k is logprobs k (0 without it)"),
+    ("tool_choice / response_format", "guided_json / response_format",
+     "a forced tool call or a JSON response format becomes a guide"),
+    ("stop, seed, n, temperature, top_p, penalties, logit_bias and the vLLM extensions", "the same field", ""),
 )
 
 ABORT_NOTES: dict[Generation, str] = {
@@ -330,6 +344,9 @@ def render_markdown() -> str:
         lines.append(f"| `{rule.field}` | {cells} |")
     notes = " | ".join(ABORT_NOTES[g] for g in GENERATIONS)
     lines.append(f"| abort (client gone, stop string) | {notes} |")
+    lines += ["", "Chat completions (`/v1/chat/completions`) fields map onto the rows above:", "",
+              "| chat field | maps like | note |", "|---|---|---|"]
+    lines += [f"| `{chat}` | `{completions}` | {note} |" for chat, completions, note in CHAT_FIELDS]
     return "\n".join(lines) + "\n"
 
 

@@ -2,7 +2,7 @@
 
 Pure: the keyword dict is built here and the engine constructs the real ``SamplingParams`` from it,
 so a name this version does not have fails loudly in the library's own constructor (TypeError).
-Rules follow ``mapping.RULES``; facts in ``/work/shared/ref/trtllm-api.md`` §2.
+Rules follow ``mapping.RULES``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,18 @@
 """Which TensorRT-LLM API generation is installed, found at run time (never at import time).
 
-Four generations (facts and citations: ``/work/shared/ref/trtllm-api.md``):
+Four generations (what each supports: the mapping table in ``docs/deploy.md``):
 
 * ``1.x-engine``  — 1.x serving a prebuilt TensorRT engine: ``tensorrt_llm._tensorrt_engine.LLM``.
 * ``1.x-pytorch`` — 1.x serving the engine directory's HF checkpoint on TRT-LLM's PyTorch backend
   (``tensorrt_llm.LLM`` is the PyTorch class from 1.0 on).
-* ``0.x``         — 0.12 … 0.21 with a prebuilt engine: ``tensorrt_llm.LLM`` (``hlapi`` on 0.12).
+* ``0.x``         — 0.12 … 0.21 with a prebuilt engine: ``tensorrt_llm.LLM`` (from ``tensorrt_llm.hlapi``
+  through 0.14, ``tensorrt_llm.llmapi`` from 0.15).
 * ``0.12-jetson`` — the ``v0.12.0-jetson`` branch (JetPack 6, Python 3.10): ``tensorrt_llm.hlapi``,
   no abort, no n/best_of, no per-request logits processors, no guided decoding, no LoRA in the LLM class.
 
 Besides the version number, the names that moved are probed on the module itself (SamplingParams
-fields, ``generate_async`` parameters), so a build in between is handled by what it actually has.
+fields, ``generate_async`` parameters, the LLM's ``LlmArgs`` fields), so a build in between is handled
+by what it actually has.
 Nothing here imports ``tensorrt_llm``; :func:`detect` receives the already imported module.
 """
 
