@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from trtserver.engine.base import GenerationRequest, SamplingParams, SequenceOutput
+
 STANDINS = Path(__file__).resolve().parent
 GENERATIONS = ("v1", "v0", "jetson")
 VOCAB = ["<s>", "</s>", *[f"w{i}" for i in range(2, 64)]]
@@ -137,3 +139,57 @@ def make_engine_dir(
         manifest["trtllm"] = {"version": trtllm_version, "engine_dir": "trtllm", "build_args": build_config}
     (root / "trtserver.json").write_text(json.dumps(manifest))
     return root
+
+
+# --- a TrtllmEngine over a stand-in, and reading what it yields -------------------------------------
+
+VERSIONS = {"v1": "1.2.0", "v0": "0.16.0", "jetson": "0.12.0"}
+
+
+def make_engine(
+    standin: Any,
+    tmp_path: Path,
+    generation: str,
+    *,
+    engine: bool = True,
+    jetson: bool = False,
+    monkeypatch: pytest.MonkeyPatch | None = None,
+    **config: Any,
+) -> Any:
+    standin(generation)
+    if jetson:
+        assert monkeypatch is not None
+        monkeypatch.setattr("trtserver.engine.trtllm.version.on_tegra", lambda: True)
+    build = config.pop("build", {})
+    root = make_engine_dir(
+        tmp_path / "e", trtllm_version=VERSIONS[generation] if engine else None, **build
+    )
+    from trtserver.config import ServerConfig
+    from trtserver.engine.trtllm import TrtllmEngine
+
+    return TrtllmEngine(ServerConfig(engine_dir=str(root), **config))
+
+
+def request(
+    rid: str = "r", *, n: int = 1, prompt: list[int] | None = None, **sampling: Any
+) -> GenerationRequest:
+    extra = {
+        k: sampling.pop(k) for k in ("priority", "adapter", "guided", "logits_processors") if k in sampling
+    }
+    sampling.setdefault("temperature", 0.8)
+    return GenerationRequest(rid, prompt or [2, 3, 4], SamplingParams(**sampling), n=n, **extra)
+
+
+async def collect(engine: Any, req: GenerationRequest) -> list[SequenceOutput]:
+    await engine.start()
+    return [d async for d in engine.generate(req)]
+
+
+def tokens(deltas: list[SequenceOutput], index: int = 0) -> list[int]:
+    return [t for d in deltas if d.index == index for t in d.token_ids]
+
+
+def finish(deltas: list[SequenceOutput], index: int = 0) -> SequenceOutput:
+    done = [d for d in deltas if d.index == index and d.finish_reason is not None]
+    assert len(done) == 1, deltas
+    return done[0]

@@ -10,63 +10,14 @@ from typing import Any
 import pytest
 
 from tests.standins import harness
+from tests.standins.harness import collect, finish, make_engine, request, tokens
 from trtserver.config import ServerConfig
-from trtserver.engine.base import GenerationRequest, Priority, SamplingParams, SequenceOutput
+from trtserver.engine.base import GenerationRequest, Priority, SequenceOutput
 from trtserver.engine.trtllm.version import Generation
 from trtserver.errors import Unsupported
 
 standin = harness.standin
-
-VERSIONS = {"v1": "1.2.0", "v0": "0.16.0", "jetson": "0.12.0"}
-
-
-def make_engine(
-    standin: Any,
-    tmp_path: Path,
-    generation: str,
-    *,
-    engine: bool = True,
-    jetson: bool = False,
-    monkeypatch: pytest.MonkeyPatch | None = None,
-    **config: Any,
-) -> Any:
-    standin(generation)
-    if jetson:
-        assert monkeypatch is not None
-        monkeypatch.setattr("trtserver.engine.trtllm.version.on_tegra", lambda: True)
-    build = config.pop("build", {})
-    root = harness.make_engine_dir(
-        tmp_path / "e", trtllm_version=VERSIONS[generation] if engine else None, **build
-    )
-    from trtserver.engine.trtllm import TrtllmEngine
-
-    return TrtllmEngine(ServerConfig(engine_dir=str(root), **config))
-
-
-def request(
-    rid: str = "r", *, n: int = 1, prompt: list[int] | None = None, **sampling: Any
-) -> GenerationRequest:
-    extra = {
-        k: sampling.pop(k) for k in ("priority", "adapter", "guided", "logits_processors") if k in sampling
-    }
-    sampling.setdefault("temperature", 0.8)
-    return GenerationRequest(rid, prompt or [2, 3, 4], SamplingParams(**sampling), n=n, **extra)
-
-
-async def collect(engine: Any, req: GenerationRequest) -> list[SequenceOutput]:
-    await engine.start()
-    return [d async for d in engine.generate(req)]
-
-
-def tokens(deltas: list[SequenceOutput], index: int = 0) -> list[int]:
-    return [t for d in deltas if d.index == index for t in d.token_ids]
-
-
-def finish(deltas: list[SequenceOutput], index: int = 0) -> SequenceOutput:
-    done = [d for d in deltas if d.index == index and d.finish_reason is not None]
-    assert len(done) == 1, deltas
-    return done[0]
-
+VERSIONS = harness.VERSIONS
 
 @pytest.mark.parametrize("generation", ["v1", "v0", "jetson"])
 def test_generates_until_max_tokens(standin: Any, tmp_path: Path, generation: str) -> None:
@@ -174,9 +125,9 @@ def test_v016_standin_rejects_later_names(standin: Any) -> None:
         LoraConfig(max_loras=8)
     from tensorrt_llm.llmapi.llm_utils import LlmArgs
 
-    for bad in ({"gather_generation_logits": True}, {"lora_config": object()}):
+    for name in ("gather_generation_logits", "lora_config"):
         with pytest.raises(TypeError):
-            LlmArgs(model="m", **bad)
+            LlmArgs(model="m", **{name: True})
 
 
 def test_abort_calls_request_output_abort(standin: Any, tmp_path: Path) -> None:

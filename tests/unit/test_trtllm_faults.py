@@ -11,12 +11,17 @@ from typing import Any
 import pytest
 
 from tests.standins import harness
-from tests.unit.test_trtllm_engine import collect, finish, make_engine, request, tokens
+from tests.standins.harness import collect, finish, make_engine, request, tokens
 from trtserver.config import ServerConfig
 
 standin = harness.standin
 
 PROMPT = [2, 3, 5, 9, 4]
+
+
+def set_version(version: str) -> None:
+    """Make the imported stand-in claim another release (it models what differs by release)."""
+    setattr(sys.modules["tensorrt_llm"], "__version__", version)  # noqa: B010
 
 
 def expected_prompt_logprobs(k: int) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
@@ -46,7 +51,7 @@ def test_prompt_logprobs_score_each_prompt_token_from_the_previous_position(
     assert got.prompt_token_logprobs == pytest.approx(values)
     assert got.prompt_logprobs is not None and got.prompt_logprobs[0] is None
     for have, want in zip(got.prompt_logprobs[1:], tops[1:], strict=True):
-        assert have is not None and [t for t, _ in have] == [t for t, _ in want]
+        assert have is not None and want is not None and [t for t, _ in have] == [t for t, _ in want]
         assert [v for _, v in have] == pytest.approx([v for _, v in want])
 
 
@@ -108,7 +113,7 @@ def test_a_stop_token_stays_in_the_output_as_on_the_torch_engine(
 def test_ignore_eos_keeps_the_stop_token_ids_on_main(standin: Any, tmp_path: Path) -> None:
     """Main's worker sends stop_words=[] when ignore_eos is set: our own check must stop on them."""
     e = make_engine(standin, tmp_path, "v1")
-    sys.modules["tensorrt_llm"].__version__ = "1.4.0"
+    set_version("1.4.0")
     e = make_engine_here(e)
     deltas = asyncio.run(collect(e, request(max_tokens=8, stop_token_ids=(12,), ignore_eos=True)))
     assert tokens(deltas) == [10, 11, 12]
@@ -156,7 +161,7 @@ def test_request_error_at_enqueue_is_a_400_or_a_503(standin: Any, tmp_path: Path
 def test_pytorch_10_logprobs_above_0_are_refused(standin: Any, tmp_path: Path) -> None:
     """1.0's PyTorch backend returns the sampled token's logprob as a float: no top alternatives."""
     standin("v1")
-    sys.modules["tensorrt_llm"].__version__ = "1.0.0"
+    set_version("1.0.0")
     e = make_engine_here(make_engine_keep(standin, tmp_path))
     assert e.check(request(logprobs=1))[0][0] == "logprobs"
     assert e.info.capabilities.max_logprobs == 0
@@ -239,7 +244,7 @@ def test_beam_search_on_the_pytorch_backend_when_started_for_it(standin: Any, tm
     from trtserver.engine.trtllm import TrtllmEngine
 
     standin("v1")
-    sys.modules["tensorrt_llm"].__version__ = version
+    set_version(version)
     root = harness.make_engine_dir(tmp_path / "e", trtllm_version=None)
     plain = TrtllmEngine(ServerConfig(engine_dir=str(root)))
     assert plain.check(request(n=2, use_beam_search=True))[0][0] == "use_beam_search"
