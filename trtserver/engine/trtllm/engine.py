@@ -100,8 +100,8 @@ class TrtllmEngine:
         if self.manifest.trtllm is not None:
             self.trt_engine_dir = self.engine_path / self.manifest.trtllm.engine_dir
             build = BuildFacts.from_config(json.loads((self.trt_engine_dir / "config.json").read_text()))
+        # the model's vocabulary (the logits' width without padding); 0 when unknown
         self.model_vocab_size = build.vocab_size or _hf_vocab_size(self.engine_path)
-        """The model's vocabulary (logits width without padding), 0 when unknown."""
         self.build = build
         self.tp = int(getattr(config, "tensor_parallel_size", 1) or 1)
         self.pp = int(getattr(config, "pipeline_parallel_size", 1) or 1)
