@@ -217,11 +217,9 @@ class Service:
             )
             for i, prompt in enumerate(prompts)
         ]
-        check = getattr(self.engine, "check", None)
-        if check is not None:
-            for engine_request in engine_requests:
-                for param, reason in check(engine_request):
-                    raise Unsupported(reason, param=_sent_param(request, plan, param))
+        for engine_request in engine_requests:
+            for param, reason in self.engine.check(engine_request):
+                raise Unsupported(reason, param=_sent_param(request, plan, param))
         return Prepared(request, plan, context, response_id, int(time.time()), prompts, engine_requests, stops,
                         counted=tier.counted, sequences=sequences, api_state=state)
 

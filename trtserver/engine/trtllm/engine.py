@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from trtserver.engine.base import Capabilities, EngineInfo, EngineStats, GenerationRequest, SequenceOutput
+from trtserver.engine.base import (
+    Capabilities,
+    EngineBase,
+    EngineInfo,
+    EngineStats,
+    GenerationRequest,
+    SequenceOutput,
+)
 from trtserver.engine.trtllm.mapping import needs_logits_processor, refusals
 from trtserver.engine.trtllm.request import generate_kwargs, guided_kwargs, llm_kwargs, prepare
 from trtserver.engine.trtllm.stream import StreamTranslator
@@ -85,7 +92,7 @@ def _shutdown_when_built(building: asyncio.Future[Any]) -> None:
             llm.shutdown()
 
 
-class TrtllmEngine:
+class TrtllmEngine(EngineBase):
     """``Engine`` over TensorRT-LLM's LLM API."""
 
     def __init__(self, config: ServerConfig) -> None:
