@@ -27,8 +27,8 @@ ENTRY_POINT_GROUP = "trtserver"
 ALLOWLIST_ENV = "TRTSERVER_LOAD_PLUGINS"
 
 # modules inside trtserver itself that implement hooks (the engines every server has, default plugins)
-CORE_PLUGINS: tuple[str, ...] = ("trtserver.engine.registry", "trtserver.quota",
-                                 "trtserver.builtins.hermes_tool_parser")
+CORE_PLUGINS: tuple[str, ...] = ("trtserver.builtins.engines", "trtserver.quota",
+                                 "trtserver.builtins.hermes_tool_parser", "trtserver.builtins.bad_words")
 
 
 class PluginLoadError(RuntimeError):

@@ -79,8 +79,8 @@ def test_plugins_cli_lists_name_version_hooks() -> None:
     result = run_cli("--json")
     assert result.returncode == 0, result.stderr
     plugins = {p["name"]: p for p in json.loads(result.stdout)}
-    assert plugins["trtserver.engine.registry"]["hooks"] == ["trtserver_register_engines"]
-    assert plugins["trtserver.engine.registry"]["source"] == "core"
+    assert plugins["trtserver.builtins.engines"]["hooks"] == ["trtserver_register_engines"]
+    assert plugins["trtserver.builtins.engines"]["source"] == "core"
     core = {n for n, p in plugins.items() if p["source"] == "core"}
     assert plugins["fingerprint"]["version"] == "0.1.0"
     assert plugins["fingerprint"]["hooks"] == ["trtserver_system_fingerprint"]
