@@ -109,3 +109,19 @@ def test_allowlist_env_excludes_plugins(tmp_path: Path) -> None:
     assert {p["name"] for p in json.loads(result.stdout)} == core
     result = run_cli("--json", "--plugin", str(extra), env={"TRTSERVER_LOAD_PLUGINS": "extra_plugin"})
     assert {p["name"] for p in json.loads(result.stdout)} == core | {"extra_plugin"}
+
+
+def test_trace_plugins_logs_each_hook_call_with_its_duration() -> None:
+    import structlog.testing
+
+    from trtserver.plugins import load_plugins, new_plugin_manager, trace_hook_calls
+
+    pm = new_plugin_manager()
+    load_plugins(pm, allowlist=[])
+    trace_hook_calls(pm)
+    with structlog.testing.capture_logs() as logs:
+        pm.hook.trtserver_register_engines(register=lambda name, factory: None)
+    calls = [entry for entry in logs if entry["event"] == "hook_called"]
+    assert [c["hook"] for c in calls] == ["trtserver_register_engines"]
+    assert "trtserver.builtins.engines" in calls[0]["plugins"]
+    assert calls[0]["ms"] >= 0 and calls[0]["raised"] is None
