@@ -120,7 +120,7 @@ class Nginx:
 class Replica:
     """One ``trtserver serve`` subprocess on the default model, with a config file."""
 
-    def __init__(self, engine_dir: Path, config: Path, log: Path) -> None:
+    def __init__(self, engine_dir: Path, config: Path, log: Path, flags: tuple[str, ...] = REPLICA_FLAGS) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.address = f"127.0.0.1:{self.port}"
@@ -129,7 +129,7 @@ class Replica:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "trtserver.cli", "serve", str(engine_dir), "--port", str(self.port),
              "--config", str(config), "--engine", os.environ.get("TRTSERVER_TEST_ENGINE", "torch"),
-             "--device", TEST_DEVICE, *REPLICA_FLAGS], stdout=self._log, stderr=subprocess.STDOUT)
+             "--device", TEST_DEVICE, *flags], stdout=self._log, stderr=subprocess.STDOUT)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
