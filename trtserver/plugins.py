@@ -3,6 +3,9 @@
 ``TRTSERVER_LOAD_PLUGINS`` (or ``plugin_allowlist``) restricts what loads: a comma-separated list
 of plugin names; an empty string loads none but trtserver's own core. A plugin that fails to
 import or register stops start-up with an error naming it.
+
+Each plugin's settings are its own ``[plugins.<name>]`` table of the TOML file:
+``config.plugin_config(name)`` as a dict, or ``plugin_settings(config, name, Struct)`` validated.
 """
 
 from __future__ import annotations
