@@ -164,6 +164,6 @@ load = ["trtserver_redis_quota"]
 url = "{redis_url}"
 key_prefix = "{key_prefix}"
 on_unavailable = "{on_unavailable}"
-timeout_s = 0.5
+timeout_s = 5  # a loaded machine must not look like an outage; a stopped Redis refuses at once
 """)
     return path

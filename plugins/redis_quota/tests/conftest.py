@@ -30,10 +30,12 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Pat
 
 @pytest_asyncio.fixture
 async def make_store() -> AsyncIterator[Callable[..., RedisQuotaStore]]:
-    """``make_store(url, **settings)``: stores closed after the test."""
+    """``make_store(url, **settings)``: stores closed after the test. Unless a test sets it, the
+    timeout is long: a loaded machine must not turn a slow answer into an outage."""
     stores: list[RedisQuotaStore] = []
 
     def make(url: str, **settings: object) -> RedisQuotaStore:
+        settings.setdefault("timeout_s", 10.0)
         store = RedisQuotaStore(RedisQuotaSettings(url=url, **settings))  # type: ignore[arg-type]
         stores.append(store)
         return store

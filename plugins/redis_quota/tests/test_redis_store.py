@@ -90,6 +90,20 @@ async def test_entries_older_than_a_minute_leave_the_window(redis_server: RedisS
     assert await store.client.get(sum_key) == b"5" and await store.client.zcard(tokens_key) == 1
 
 
+async def test_retry_after_counts_from_the_oldest_entry_of_either_kind(redis_server: RedisServer,
+                                                                       make_store: MakeStore) -> None:
+    """A long request's charge can outlive its admission in the window, as in the in-memory store."""
+    store, name = make_store(redis_server.url), project()
+    requests_key, tokens_key, sum_key = store.keys(name)
+    seconds, micros = await store.client.time()
+    now_us = seconds * 1_000_000 + micros
+    await store.client.zadd(tokens_key, {"a:50": now_us - 50_000_000})
+    await store.client.set(sum_key, 50)
+    await store.client.zadd(requests_key, {"b": now_us - 30_000_000})
+    decision = await store.acquire(name, TierLimits(tokens_per_minute=50), 0.0)
+    assert not decision.allowed and 9.5 <= decision.retry_after_s <= 10.5
+
+
 async def test_key_prefix_keeps_two_deployments_apart(redis_server: RedisServer, make_store: MakeStore) -> None:
     blue, green, name = (make_store(redis_server.url, key_prefix="blue:"),
                          make_store(redis_server.url, key_prefix="green:"), project())

@@ -7,7 +7,7 @@ Settings, in the server's TOML file (no table: this plugin stays out of the way)
     url = "rediss://:secret@redis.internal:6380/0"
     key_prefix = "prod:quota:"
     on_unavailable = "fail_open"   # or "fail_closed": 503 with Retry-After
-    timeout_s = 0.25
+    timeout_s = 1.0
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ class RedisQuotaSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True
     url: str
     key_prefix: str = "trtserver:quota:"
     on_unavailable: Literal["fail_open", "fail_closed"] = "fail_open"
-    timeout_s: Annotated[float, Meta(gt=0, le=30)] = 0.25
+    timeout_s: Annotated[float, Meta(gt=0, le=30)] = 1.0
 
     def __post_init__(self) -> None:
         scheme = urlsplit(self.url).scheme
