@@ -1,10 +1,10 @@
 """``RedisQuotaStore``: the in-memory store's sliding minute, held in Redis for every replica.
 
-Per project, three keys share one hash tag (so a Redis Cluster keeps them in one slot):
-``<prefix>{<project>}:requests`` (a sorted set of admitted requests, scored by time),
-``...:tokens`` (a sorted set of charges, members ``<id>:<tokens>``) and ``...:token_sum`` (their
-total). Each check and each charge is one Lua script, so concurrent replicas cannot both take the
-last request of a minute. Time is Redis's own clock (``TIME``): the replicas' clocks never meet.
+Per project, three keys under one hash tag: ``<prefix>{<project>}:requests`` (a sorted set of
+admitted requests, scored by time), ``...:tokens`` (a sorted set of charges, members
+``<id>:<tokens>``) and ``...:token_sum`` (their total). Each check and each charge is one Lua
+script, so concurrent replicas cannot both take the last request of a minute. Time is Redis's own
+clock (``TIME``): the replicas' clocks never meet.
 """
 
 from __future__ import annotations
