@@ -10,17 +10,30 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PLUGINS := $(wildcard plugins/*/pyproject.toml)
 PYTEST_ARGS ?=
+# Debian packages the tests run for real (tests/http/test_replicas.py, plugins/redis_quota); installed where missing
+SYSTEM_PACKAGES ?= redis-server nginx openssl
 
-.PHONY: install engines serve test test-unit lint bench gpu-check devkit clean
+.PHONY: install system-packages engines serve test test-unit lint bench gpu-check devkit clean
 
 install: $(VENV)/.installed
 
 # Re-runs only when a pyproject changes. torch first: a plain torch requirement would pull CUDA.
-$(VENV)/.installed: pyproject.toml $(PLUGINS)
+$(VENV)/.installed: pyproject.toml $(PLUGINS) | system-packages
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install -q -e ".[dev]" $(foreach p,$(PLUGINS),-e "$(dir $(p))[test]")
 	@touch $@
+
+# apt-get (as root, else through sudo) only when one is missing; elsewhere a note of what the tests need
+system-packages:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' "$$p" 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null; then echo "note: the tests need these system packages:$$missing" >&2; exit 0; fi; \
+	sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \
+	echo "installing system packages:$$missing"; \
+	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing
 
 engines: install
 	$(VENV)/bin/trtserver build $(if $(MODEL),--model "$(MODEL)") $(if $(NAME),--name "$(NAME)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -68,8 +68,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     chat_template: str | None = None
     # chat: the registered parser that finds tool calls in generated text (tool_choice auto), e.g. hermes
     tool_call_parser: str | None = None
-    # plugins
+    # plugins: extra modules or .py files to load (the TOML `[plugins]` table's `load` list)
     plugins: list[str] = []
+    # each plugin's `[plugins.<name>]` table, read by the plugin through `plugin_config(name)`
+    plugin_settings: dict[str, dict[str, Any]] = {}
     plugin_allowlist: list[str] | None = None
     guided_compile_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     # operations
@@ -88,16 +90,52 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def engine_path(self) -> Path:
         return Path(self.engine_dir)
 
+    def plugin_config(self, name: str) -> dict[str, Any]:
+        """The ``[plugins.<name>]`` table of the config file (a copy; empty when there is none)."""
+        return dict(self.plugin_settings.get(name, {}))
+
 
 def load_config_file(path: str | Path) -> dict[str, object]:
+    """The file's ``[server]`` table (or the whole file without one), with a top-level ``[plugins]``
+    table beside ``[server]`` taken in, and ``plugins`` split into the load list and the settings."""
     with open(path, "rb") as f:
         data = tomllib.load(f)
     section = data.get("server", data)
     if not isinstance(section, dict):
         raise ValueError(f"{path}: [server] must be a table")
-    return section
+    if section is not data and "plugins" in data:
+        if "plugins" in section:
+            raise ValueError(f"{path}: plugins are set both in [server] and in [plugins]; keep one")
+        section = {**section, "plugins": data["plugins"]}
+    try:
+        return split_plugins_table(section)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def split_plugins_table(values: dict[str, object]) -> dict[str, object]:
+    """``plugins`` may be a list of modules to load, or a table: ``load`` (that list) and one
+    sub-table of settings per plugin. Returns the settings with ``plugins`` a list and the
+    sub-tables under ``plugin_settings``."""
+    table = values.get("plugins")
+    if not isinstance(table, dict):
+        return values
+    settings = {}
+    for name, value in table.items():
+        if name == "load":
+            continue
+        if not isinstance(value, dict):
+            raise ValueError(f"[plugins] holds `load` (a list of modules) and one [plugins.<name>] table per plugin; "
+                             f"`{name}` is neither")
+        settings[name] = value
+    merged = {**values, "plugins": table.get("load", [])}
+    if settings:
+        if "plugin_settings" in values:
+            raise ValueError("plugin settings are given both as [plugins.<name>] tables and as plugin_settings")
+        merged["plugin_settings"] = settings
+    return merged
 
 
 def build_config(values: dict[str, object]) -> ServerConfig:
     """Validate a dict of settings (CLI merged over file) into a ServerConfig."""
-    return msgspec.convert(values, ServerConfig, strict=False)
+    return msgspec.convert(split_plugins_table(values), ServerConfig, strict=False)

@@ -3,6 +3,9 @@
 ``TRTSERVER_LOAD_PLUGINS`` (or ``plugin_allowlist``) restricts what loads: a comma-separated list
 of plugin names; an empty string loads none but trtserver's own core. A plugin that fails to
 import or register stops start-up with an error naming it.
+
+Each plugin's settings are its own ``[plugins.<name>]`` table of the TOML file:
+``config.plugin_config(name)`` as a dict, or ``plugin_settings(config, name, Struct)`` validated.
 """
 
 from __future__ import annotations
@@ -19,13 +22,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import cloudpickle
+import msgspec
 import pluggy
 import structlog
 
 from trtserver import hookspecs
+
+if TYPE_CHECKING:
+    from trtserver.config import ServerConfig
+
+SettingsT = TypeVar("SettingsT")
 
 ENTRY_POINT_GROUP = "trtserver"
 ALLOWLIST_ENV = "TRTSERVER_LOAD_PLUGINS"
@@ -39,6 +48,23 @@ class PluginLoadError(RuntimeError):
     def __init__(self, name: str, reason: str) -> None:
         super().__init__(f"plugin {name!r} failed to load: {reason}")
         self.plugin_name = name
+
+
+class PluginConfigError(PluginLoadError):
+    """A plugin's ``[plugins.<name>]`` table does not validate; start-up stops with this message."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        RuntimeError.__init__(self, f"plugin {name!r}: invalid settings in [plugins.{name}]: {reason}")
+        self.plugin_name = name
+
+
+def plugin_settings(config: ServerConfig, name: str, kind: type[SettingsT]) -> SettingsT:
+    """A plugin's ``[plugins.<name>]`` table validated into ``kind`` (a msgspec Struct), or
+    ``PluginConfigError`` naming the plugin and the setting. Call it from a start-up hook."""
+    try:
+        return msgspec.convert(config.plugin_config(name), kind, strict=False)
+    except msgspec.ValidationError as exc:
+        raise PluginConfigError(name, str(exc)) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +160,8 @@ def load_plugins(pm: pluggy.PluginManager, *, extra: Iterable[str] = (),
             module = _import_path_or_module(spec)
         except Exception as exc:
             raise PluginLoadError(name, f"{type(exc).__name__}: {exc}") from exc
+        if pm.is_registered(module):  # named again here, already loaded as an entry point
+            continue
         _register(pm, module, name)
     pm.check_pending()
 
