@@ -275,6 +275,7 @@
     const span = document.createElement("span");
     span.className = "tok";
     span.textContent = t.token;
+    if (t.token.includes("\n")) span.classList.add("newline");
     if (typeof t.logprob === "number") {
       const p = Math.exp(t.logprob);
       span.style.backgroundColor = `hsl(${Math.round(120 * p)}, 75%, 78%)`;
@@ -291,7 +292,7 @@
       tip.hidden = true;
       return;
     }
-    const rows = JSON.parse(span.dataset.alternatives || "[]");
+    const rows = JSON.parse(span.dataset.alternatives || "[]").sort((a, b) => b[1] - a[1]);
     tip.replaceChildren();
     const head = document.createElement("div");
     head.className = "tip-head";
@@ -465,6 +466,7 @@
     key.addEventListener("change", () => {
       if (modelId === null) loadModel().then(() => setStatus(""), (err) => setStatus(err.message, "error"));
     });
+    $("key-form").addEventListener("submit", (e) => e.preventDefault());
     $("composer").addEventListener("submit", send);
     $("prompt").addEventListener("keydown", (e) => {
       if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) $("composer").requestSubmit();
