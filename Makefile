@@ -22,6 +22,19 @@ $(VENV)/.installed: pyproject.toml $(PLUGINS)
 	$(PY) -m pip install -q -e ".[dev]" $(foreach p,$(PLUGINS),-e "$(dir $(p))[test]")
 	@touch $@
 
+# the playground's browser tests drive Debian's headless Chromium: installed where missing (apt-get, as root or via sudo)
+BROWSER_PACKAGES := chromium chromium-driver
+.PHONY: browser-packages
+install: browser-packages
+browser-packages:
+	@missing="$$(for p in $(BROWSER_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done)"; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null; then echo "note: install $$missing for the playground's browser tests"; exit 0; fi; \
+	sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo -n"; \
+	echo "installing $$missing (the playground's browser tests)"; \
+	$$sudo apt-get update -qq && $$sudo apt-get install -y -qq $$missing >/dev/null \
+	  || echo "note: could not install $$missing; the playground's browser tests need them"
+
 engines: install
 	$(VENV)/bin/trtserver build $(if $(MODEL),--model "$(MODEL)") $(if $(NAME),--name "$(NAME)")
 	@# the fused CPU kernels, compiled once here (~30 s) so that start-up only loads them; optional
