@@ -74,11 +74,9 @@ def base_url(server_args: list[str]) -> Iterator[str]:
         pytest.fail(f"{ENGINE_DIR} is missing: run `make engines` first")
     port = free_port()
     log = open(Path(tempfile.gettempdir()) / f"trtserver-test-playground-{port}.log", "wb")
-    # float32 on the CPU: what dtype auto settles on where the CPU has no native bf16, chosen without timing
-    dtype = ["--dtype", "float32"] if os.environ.get("TRTSERVER_TEST_DEVICE", "cpu") == "cpu" else []
     process = subprocess.Popen(
         [sys.executable, "-m", "trtserver.cli", "serve", str(ENGINE_DIR), "--port", str(port), "--engine", "torch",
-         "--device", os.environ.get("TRTSERVER_TEST_DEVICE", "cpu"), *dtype, "--max-batch-size", "4",
+         "--device", os.environ.get("TRTSERVER_TEST_DEVICE", "cpu"), "--max-batch-size", "4",
          "--max-model-len", "2048", *server_args],
         stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
