@@ -108,7 +108,7 @@ async def error_middleware(request: web.Request,
         structlog.contextvars.unbind_contextvars("request_id", "user")
 
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS: frozenset[str] = frozenset({"/health", "/metrics"})
 
 
 def _authenticate(request: web.Request) -> None:
