@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import MODEL, Page
+from playground_support import MODEL, Page
 
 KEY = "k-playground-test"
 
@@ -27,7 +27,7 @@ def test_401_message_then_works_with_the_key(page: Page) -> None:
     status = page.wait_done(30)
     assert "401" in status and "API key" in status
     assert page.js("return document.getElementById('status').className") == "error"
-    assert "needs-key" in page.el("api-key").get_attribute("class")
+    assert "needs-key" in (page.el("api-key").get_attribute("class") or "")
     page.screenshot("09-api-key-missing")
 
     page.fill("api-key", "wrong")
@@ -39,7 +39,7 @@ def test_401_message_then_works_with_the_key(page: Page) -> None:
     page.send()
     assert page.wait_done().startswith("Done"), page.text("status")
     assert len(page.answer()) > 0
-    assert "needs-key" not in page.el("api-key").get_attribute("class")
+    assert "needs-key" not in (page.el("api-key").get_attribute("class") or "")
     page.screenshot("10-api-key-given")
 
     # kept for the tab's session: a reload still has it

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import MODEL, Page, metric
+from playground_support import MODEL, Page, metric
 from selenium.webdriver.common.action_chains import ActionChains
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
