@@ -4,7 +4,7 @@
 (() => {
   const $ = (id) => document.getElementById(id);
   const KEY_STORE = "trtserver-playground-api-key";
-  const KEY_MESSAGE = "This server needs an API key (401 Unauthorized). Type it in the API key field at the top right, then send again.";
+  const KEY_MESSAGE = "This server needs an API key (401 Unauthorized). Type it in the API key field at the top left, then send again.";
   const METRICS_EVERY_MS = 1000;
 
   let modelId = null;
@@ -40,7 +40,10 @@
     return h;
   }
 
-  async function errorOf(response) {
+  async function errorOf(response, path) {
+    if (response.status === 404 && path === "/v1/chat/completions") {
+      return new HttpError(404, "This server has no /v1/chat/completions: use Completion mode.");
+    }
     if (response.status === 401) {
       $("api-key").classList.add("needs-key");
       return new HttpError(401, KEY_MESSAGE);
@@ -85,7 +88,9 @@
     modelId = card.id;
     $("model-id").textContent = card.id;
     $("model-context").textContent = card.max_model_len ? `${card.max_model_len} tokens` : "unknown";
-    if (card.system_fingerprint) $("model-fingerprint").textContent = card.system_fingerprint;
+    const fingerprint = $("model-fingerprint");
+    if (card.system_fingerprint) fingerprint.textContent = card.system_fingerprint;
+    else if (fingerprint.textContent === "…") fingerprint.textContent = "with the first answer";
     $("api-key").classList.remove("needs-key");
   }
 
@@ -135,7 +140,7 @@
     } else if (kind === "regex") {
       body.guided_regex = spec;
     } else if (kind === "choice") {
-      body.guided_choice = spec.split("\n").map((s) => s.trim()).filter(Boolean);
+      body.guided_choice = spec.split("\n").filter((s) => s.trim() !== "");
     } else if (kind === "grammar") {
       body.guided_grammar = spec;
     }
@@ -378,7 +383,7 @@
       const response = await fetch(path, {
         method: "POST", headers: headers(true), body: JSON.stringify(body), signal: controller.signal,
       });
-      if (!response.ok) throw await errorOf(response);
+      if (!response.ok) throw await errorOf(response, path);
       ticker = setInterval(() => showStats(s, false), 250);
       for await (const chunk of events(response)) {
         if (chunk.error) throw new HttpError(chunk.error.code || 500, chunk.error.message);
@@ -409,6 +414,7 @@
         if (chat && choices.length) lastAnswer = { role: "assistant", content: choices[0].text };
       } else {
         setStatus(err.message, "error");
+        if (!choices.some((c) => c.text)) $("output").replaceChildren();
         // a turn that got no answer is not kept
         if (asked && !choices.some((c) => c.text)) {
           $("prompt").value = history.pop().content;
