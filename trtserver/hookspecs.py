@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from trtserver.request_context import RequestContext
     from trtserver.text import StopChecker
     from trtserver.tokenizer import Tokenizer
+    from trtserver.tool_calls import ToolCallParser
 
 PROJECT = "trtserver"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -103,6 +104,46 @@ def trtserver_quota_store(config: ServerConfig) -> QuotaStore | None:
         in-memory store answers last. firstresult.
 
     Fires once at start-up.
+    """
+
+
+@hookspec(firstresult=True)
+def trtserver_chat_template(config: ServerConfig, model_template: str | None) -> str | None:
+    """The chat template that ``/v1/chat/completions`` renders messages with.
+
+    :param config: the server configuration (``engine_dir`` says which model is served).
+    :param model_template: the engine directory's own template text (the manifest's
+        ``chat_template`` file, else ``tokenizer_config.json``'s ``chat_template``), or None when
+        the model has none; return it edited to patch it.
+    :returns: Jinja template text, rendered in jinja2's sandbox exactly as transformers renders
+        ``apply_chat_template`` (variables ``messages``, ``tools``, ``add_generation_prompt``,
+        ``bos_token``, ``eos_token`` and the request's ``chat_template_kwargs``), or None to let
+        the next plugin answer and, after all of them, the engine directory's template. firstresult.
+        ``--chat-template`` set by the operator wins over every plugin (the hook is then not called).
+        A template that does not compile stops start-up with an error.
+
+    Fires once at start-up.
+    """
+
+
+@hookspec
+def trtserver_register_tool_parsers(
+    register: Callable[[str, Callable[[list[dict[str, object]]], ToolCallParser]], None],
+) -> None:
+    """Add tool-call parsers that ``--tool-call-parser NAME`` can select.
+
+    :param register: call ``register(name, factory)`` once per parser. For each choice of a chat
+        request with ``tools`` and ``tool_choice`` ``"auto"``, the server calls
+        ``factory(tools)`` (the request's tools, OpenAI-shaped dicts) and gets a
+        ``trtserver.tool_calls.ToolCallParser``: ``feed(text)`` takes each piece of generated
+        text and returns the ``ToolDelta`` items it completes (``ContentDelta``,
+        ``ToolCallStart``, ``ToolCallArguments``), ``finish()`` returns the rest at the end.
+        Non-streamed responses are the same deltas collected.
+    :returns: nothing; the return value is ignored.
+
+    Fires once at start-up. A name registered twice, by one plugin or two, stops start-up with an
+    error naming both plugins. The built-in ``hermes`` parser (``<tool_call>{json}</tool_call>``,
+    Hermes and Qwen models) is registered through this hook too.
     """
 
 

@@ -53,6 +53,9 @@ class Manifest(msgspec.Struct, kw_only=True):
     context_length: int
     architecture: str = "LlamaForCausalLM"
     tokenizer: str = "tokenizer.json"
+    chat_template: str | None = None
+    """The chat template's file, relative to the engine directory; None when the model has none (or the
+    directory predates this field: then ``tokenizer_config.json``'s ``chat_template`` is the template)."""
     weights_sha256: str
     build_args: dict[str, Any] = msgspec.field(default_factory=dict)
     trtllm: TrtllmBuild | None = None

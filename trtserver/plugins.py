@@ -26,8 +26,9 @@ from trtserver import hookspecs
 ENTRY_POINT_GROUP = "trtserver"
 ALLOWLIST_ENV = "TRTSERVER_LOAD_PLUGINS"
 
-# modules inside trtserver itself that implement hooks (the engines every server has)
-CORE_PLUGINS: tuple[str, ...] = ("trtserver.engine.registry", "trtserver.quota")
+# modules inside trtserver itself that implement hooks (the engines every server has, default plugins)
+CORE_PLUGINS: tuple[str, ...] = ("trtserver.engine.registry", "trtserver.quota",
+                                 "trtserver.builtins.hermes_tool_parser")
 
 
 class PluginLoadError(RuntimeError):

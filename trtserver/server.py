@@ -8,6 +8,7 @@ import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import msgspec
 import pluggy
@@ -15,7 +16,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from trtserver import errors
+from trtserver import __version__, errors
 from trtserver.config import ServerConfig
 from trtserver.engine.base import Engine
 from trtserver.engine.select import build_engine
@@ -23,16 +24,22 @@ from trtserver.metrics import Metrics
 from trtserver.openapi import openapi_document
 from trtserver.plugins import allowlist_from_env, await_me_maybe, load_plugins, new_plugin_manager
 from trtserver.protocol import (
+    CHAT_REQUEST_FIELDS,
     REQUEST_FIELDS,
-    CompletionRequest,
+    DetokenizeRequest,
     FieldError,
+    GenerationFields,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    chat_request_decoder,
     encoder,
     request_decoder,
 )
 from trtserver.request_context import RequestContext
-from trtserver.serving import CompletionService, Prepared, new_request_id
+from trtserver.serving import Api, Prepared, Service, new_request_id, tokens
+from trtserver.serving.chat import ChatApi
+from trtserver.serving.completions import CompletionsApi
 from trtserver.sse import stream_response, with_timeout
 
 log = structlog.get_logger("trtserver.server")
@@ -46,7 +53,7 @@ class ServerState:
     config: ServerConfig
     pm: pluggy.PluginManager
     engine: Engine | None = None
-    service: CompletionService | None = None
+    service: Service | None = None
     ready: bool = False
     load_error: str | None = None
     draining: bool = False
@@ -138,7 +145,7 @@ def _state(request: web.Request) -> ServerState:
     return request.app[STATE]
 
 
-def _service(request: web.Request) -> CompletionService:
+def _service(request: web.Request) -> Service:
     state = _state(request)
     if state.draining:
         raise errors.Overloaded("The server is shutting down", headers={"Retry-After": "1"})
@@ -147,8 +154,12 @@ def _service(request: web.Request) -> CompletionService:
     return state.service
 
 
-async def decode_request(request: web.Request) -> tuple[CompletionRequest, dict[str, object]]:
-    """Body -> CompletionRequest; unknown fields are returned (and logged), ``extra_body`` merged."""
+RequestT = TypeVar("RequestT", bound=msgspec.Struct)
+
+
+async def decode_request(request: web.Request, decoder: msgspec.json.Decoder[RequestT],
+                         known: frozenset[str] = REQUEST_FIELDS) -> tuple[RequestT, dict[str, object]]:
+    """Body -> the API's request Struct; unknown fields are returned (and logged), ``extra_body`` merged."""
     content_type = request.headers.get("Content-Type", "application/json")
     if not (content_type.startswith("application/json") or "+json" in content_type):
         raise errors.UnsupportedMediaType(f"Unsupported Media Type: expected application/json, got {content_type}")
@@ -167,12 +178,12 @@ async def decode_request(request: web.Request) -> tuple[CompletionRequest, dict[
         for key, value in (extra or {}).items():
             fields.setdefault(key, value)
         body = msgspec.json.encode(fields)
-    unknown = {key: msgspec.json.decode(value) for key, value in fields.items() if key not in REQUEST_FIELDS}
+    unknown = {key: msgspec.json.decode(value) for key, value in fields.items() if key not in known}
     if unknown:
         log.info("unknown_fields_ignored", fields=sorted(unknown))
     try:
-        parsed = request_decoder.decode(body)
-        parsed.check()
+        parsed = decoder.decode(body)
+        parsed.check()  # type: ignore[attr-defined]
     except FieldError as exc:
         raise errors.InvalidRequest(str(exc), param=exc.param) from exc
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -180,7 +191,7 @@ async def decode_request(request: web.Request) -> tuple[CompletionRequest, dict[
     return parsed, unknown
 
 
-def _context(request: web.Request, body: CompletionRequest, unknown: dict[str, object],
+def _context(request: web.Request, body: GenerationFields, unknown: dict[str, object],
              config: ServerConfig, model: str) -> RequestContext:
     auth = request.headers.get("Authorization", "")
     api_key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
@@ -188,20 +199,34 @@ def _context(request: web.Request, body: CompletionRequest, unknown: dict[str, o
                           query=request.query, api_key=api_key, user=body.user, extra=unknown)
 
 
+COMPLETIONS = CompletionsApi()
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
+    body, unknown = await decode_request(request, request_decoder, REQUEST_FIELDS)
+    return await _generate(request, COMPLETIONS, body, unknown)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body, unknown = await decode_request(request, chat_request_decoder, CHAT_REQUEST_FIELDS)
+    return await _generate(request, ChatApi(), body, unknown)
+
+
+async def _generate(request: web.Request, api: Api[Any], body: GenerationFields,
+                    unknown: dict[str, object]) -> web.StreamResponse:
+    """Both APIs' one path: prepare, then stream, or collect the same stream into one response."""
     service = _service(request)
     state = _state(request)
-    body, unknown = await decode_request(request)
     context = _context(request, body, unknown, state.config, service.model_name)
     structlog.contextvars.bind_contextvars(user=body.user)
-    prepared = await service.prepare(body, context)
+    prepared = await service.prepare(api, body, context)
     state.in_flight += 1
     try:
         if body.stream:
-            result: web.StreamResponse = await stream_response(request, service, prepared,
+            result: web.StreamResponse = await stream_response(request, service, api, prepared,
                                                                state.config.request_timeout_s)
         else:
-            response = await with_timeout(service.complete(prepared), state.config.request_timeout_s)
+            response = await with_timeout(service.complete(api, prepared), state.config.request_timeout_s)
             await service.response_ready(prepared, response)
             result = json_response(response, headers=context.response_headers or None)
         return result
@@ -211,7 +236,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         await _account(state, service, prepared)
 
 
-async def _account(state: ServerState, service: CompletionService, prepared: Prepared) -> None:
+async def _account(state: ServerState, service: Service, prepared: Prepared[Any]) -> None:
     """Once per finished (or abandoned) request: metrics and quota tokens."""
     usage = prepared.usage
     if usage is None:
@@ -229,12 +254,61 @@ async def _account(state: ServerState, service: CompletionService, prepared: Pre
         await await_me_maybe(service.quota_store.add_tokens(project, usage.total_tokens, now))
 
 
+TOKENIZE_FIELDS = frozenset(f.encode_name for f in msgspec.structs.fields(TokenizeRequest))
+tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
+detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
+
+
+async def tokenize_route(request: web.Request) -> web.Response:
+    service = _service(request)
+    body, _ = await decode_request(request, tokenize_decoder, TOKENIZE_FIELDS)
+    return json_response(await asyncio.to_thread(tokens.tokenize, service, body))
+
+
+async def detokenize_route(request: web.Request) -> web.Response:
+    service = _service(request)
+    body, _ = await _decode_plain(request, detokenize_decoder)
+    return json_response(tokens.detokenize(service, body))
+
+
+async def _decode_plain(request: web.Request, decoder: msgspec.json.Decoder[RequestT]) -> tuple[RequestT, None]:
+    content_type = request.headers.get("Content-Type", "application/json")
+    if not (content_type.startswith("application/json") or "+json" in content_type):
+        raise errors.UnsupportedMediaType(f"Unsupported Media Type: expected application/json, got {content_type}")
+    try:
+        return decoder.decode(await request.read()), None
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise errors.from_validation_error(exc) from exc
+
+
+async def version_route(request: web.Request) -> web.Response:
+    return json_response({"version": __version__})
+
+
+async def model_route(request: web.Request) -> web.Response:
+    """The SDK's ``models.retrieve``: the served model, or the OpenAI 404 envelope."""
+    state = _state(request)
+    service = _service(request)
+    model_id = request.match_info["model_id"]
+    for card in _model_cards(state, service):
+        if card.id == model_id:
+            return json_response(card)
+    raise errors.NotFound(f"The model `{model_id}` does not exist.", param="model")
+
+
+def _model_cards(state: ServerState, service: Service) -> list[ModelCard]:
+    """The served model, then each LoRA adapter under ``--adapters-dir`` (selectable by ``model``)."""
+    created = int(state.started_at)
+    base = ModelCard(id=service.model_name, created=created, root=service.model_name,
+                     max_model_len=service.info.context_length)
+    return [base, *(ModelCard(id=name, created=created, root=name, parent=service.model_name,
+                              max_model_len=service.info.context_length) for name in service.adapter_names())]
+
+
 async def models(request: web.Request) -> web.Response:
     state = _state(request)
     service = _service(request)
-    card = ModelCard(id=service.model_name, created=int(state.started_at), root=state.config.engine_dir,
-                     max_model_len=service.info.context_length)
-    return json_response(ModelList(data=[card]))
+    return json_response(ModelList(data=_model_cards(state, service)))
 
 
 async def metrics_route(request: web.Request) -> web.Response:
@@ -275,8 +349,9 @@ async def _load_engine(app: web.Application) -> None:
         fingerprint = state.pm.hook.trtserver_system_fingerprint(engine_info=info)
         model_name = state.config.served_model_name or info.model_name
         quota_store = state.pm.hook.trtserver_quota_store(config=state.config)
-        state.service = CompletionService(engine, state.pm, state.config, model_name=model_name,
-                                          system_fingerprint=fingerprint, quota_store=quota_store)
+        state.service = Service(engine, state.pm, state.config, model_name=model_name,
+                                system_fingerprint=fingerprint, quota_store=quota_store,
+                                extras=ChatApi.start_up(state.config, state.pm, engine))
         state.ready = True
         log.info("engine_ready", engine=info.backend, model=model_name, context_length=info.context_length)
     except Exception as exc:
@@ -308,7 +383,12 @@ def create_app(config: ServerConfig, pm: pluggy.PluginManager | None = None) -> 
     state.metrics = Metrics(lambda: state.engine.stats() if state.engine is not None and state.ready else None)
     app[STATE] = state
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model_id}", model_route)
+    app.router.add_post("/tokenize", tokenize_route)
+    app.router.add_post("/detokenize", detokenize_route)
+    app.router.add_get("/version", version_route)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_route)
     app.router.add_get("/openapi.json", openapi_route)

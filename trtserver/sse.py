@@ -1,20 +1,18 @@
-"""Writing a completion as Server-Sent Events, and the per-request deadline for both response kinds."""
+"""Writing a response as Server-Sent Events, and the per-request deadline for both response kinds."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import structlog
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
-from msgspec import UNSET
 
 from trtserver import errors
-from trtserver.choices import ChoiceMerger
-from trtserver.protocol import CompletionResponse, encoder
-from trtserver.serving import CompletionService, Prepared
+from trtserver.protocol import encoder
+from trtserver.serving import Api, Prepared, Service
 
 log = structlog.get_logger("trtserver.sse")
 T = TypeVar("T")
@@ -42,15 +40,14 @@ class Deadline:
         self.timeout_s = timeout_s
         self.at = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
 
-    def next(self, chunks: AsyncIterator[CompletionResponse]) -> Awaitable[CompletionResponse | None]:
+    def next(self, chunks: AsyncIterator[T]) -> Awaitable[T | None]:
         """The next chunk, None at the end. Without a timeout this is ``anext`` itself: no frame
         of ours between the response and the chunks, once per token."""
         if self.at is None:
             return anext(chunks, None)
         return self._before_deadline(chunks, self.at)
 
-    async def _before_deadline(self, chunks: AsyncIterator[CompletionResponse], at: float
-                               ) -> CompletionResponse | None:
+    async def _before_deadline(self, chunks: AsyncIterator[T], at: float) -> T | None:
         try:
             return await asyncio.wait_for(anext(chunks, None), max(at - asyncio.get_running_loop().time(), 0))
         except asyncio.TimeoutError as exc:
@@ -65,10 +62,7 @@ class EventWriter:
     """Puts a prepared stream's events on its socket: straight onto the transport, framed for
     chunked transfer-encoding when the response is chunked (HTTP/1.1). This runs once per streamed
     token, and aiohttp's ``StreamResponse.write`` takes five Python calls to do the same; it is
-    still used for the first event (it carries the buffered headers) and for the end.
-
-    It is also the request's ``ChunkSink``: the service writes chunks here itself, from the engine's
-    dispatch, while the socket takes them without waiting."""
+    still used for the first event (it carries the buffered headers) and for the end."""
 
     def __init__(self, request: web.Request, response: web.StreamResponse,
                  writer: AbstractStreamWriter | None) -> None:
@@ -97,38 +91,25 @@ class EventWriter:
         """Events after the first go straight to the transport (not compressed, plain or chunked)."""
         return self._direct
 
-    def writable(self) -> bool:
-        transport = self._transport
-        return (self._headers_sent and self._direct and transport is not None and not transport.is_closing()
-                and not transport.get_write_buffer_size())
-
-    def write(self, chunk: CompletionResponse) -> None:
-        assert self._transport is not None  # writable() said so
-        self._put(self._transport, _event(chunk))
-
     def _put(self, transport: asyncio.Transport, event: bytes) -> None:
         transport.write(b"%x\r\n%b\r\n" % (len(event), event) if self._chunked else event)
 
 
-async def stream_response(request: web.Request, service: CompletionService, prepared: Prepared,
+async def stream_response(request: web.Request, service: Service, api: Api[Any], prepared: Prepared[Any],
                           timeout_s: float | None) -> web.StreamResponse:
-    chunks = service.stream(prepared)
+    chunks = service.stream(api, prepared)
     # what trtserver_response_ready sees, joined only where a plugin implements it (a cost per token)
-    joined = ChoiceMerger() if service.wants_response_ready() else None
-    usage = None
+    joiner = api.joiner(prepared, service) if service.wants_response_ready() else None
     deadline = Deadline(timeout_s)
     # the first chunk is produced before the headers go out, so early errors are plain 4xx/5xx
     chunk = await deadline.next(chunks)
     response = web.StreamResponse(headers={**SSE_HEADERS, **prepared.context.response_headers})
     events = EventWriter(request, response, await response.prepare(request))
-    if joined is None and events.direct:  # a plugin's joined response needs every chunk to pass here
-        prepared.sink = events
     try:
         while chunk is not None:
             await events.send(_event(chunk))
-            if joined is not None:
-                joined.add(chunk)
-            usage = chunk.usage or usage
+            if joiner is not None:
+                joiner.add(chunk)
             chunk = await deadline.next(chunks)
     except errors.APIError as exc:
         await response.write(_event(exc.envelope()))
@@ -139,14 +120,9 @@ async def stream_response(request: web.Request, service: CompletionService, prep
         await response.write(_event(errors.EngineError("The server had an error while streaming the response.")
                                     .envelope()))
     else:
-        if joined is not None:
-            whole = CompletionResponse(id=prepared.response_id, created=prepared.created, model=service.model_name,
-                                       choices=joined.ordered(), usage=usage or prepared.usage,
-                                       system_fingerprint=service.system_fingerprint,
-                                       service_tier=prepared.context.service_tier or UNSET)
-            await service.response_ready(prepared, whole)
+        if joiner is not None:
+            await service.response_ready(prepared, joiner.response())
     finally:
-        prepared.sink = None
         await chunks.aclose()
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from functools import cached_property, lru_cache
 from pathlib import Path
 
 import tokenizers
 from tokenizers.decoders import ByteLevel, DecodeStream
+
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 FIM_TOKEN_SETS = (
     # (prefix, suffix, middle): StarCoder / SantaCoder family, then CodeLlama / Qwen2.5-coder style
@@ -19,11 +22,18 @@ FIM_TOKEN_SETS = (
 
 class Tokenizer:
     def __init__(self, tokenizer: tokenizers.Tokenizer, *, bos_token_id: int | None,
-                 eos_token_ids: tuple[int, ...], add_bos_token: bool) -> None:
+                 eos_token_ids: tuple[int, ...], add_bos_token: bool,
+                 special_tokens: Mapping[str, str] | None = None) -> None:
         self._tok = tokenizer
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
         self.add_bos_token = add_bos_token
+        self.special_tokens = dict(special_tokens or {})
+        """``{"bos_token": "<s>", "eos_token": ...}`` as tokenizer_config.json names them (chat templates use them)."""
+        if "bos_token" not in self.special_tokens and bos_token_id is not None:
+            bos_text = tokenizer.id_to_token(bos_token_id)
+            if bos_text is not None:
+                self.special_tokens["bos_token"] = str(bos_text)
         # tokenizer.json's post-processor may add BOS itself; we add it here instead so
         # add_special_tokens has one meaning whatever the file says
         self._tok.post_processor = None
@@ -36,11 +46,15 @@ class Tokenizer:
         generation = _read_json(path / "generation_config.json")
         model_config = _read_json(path / "config.json")
 
-        def token_id(name: str) -> int | None:
+        def token_text(name: str) -> str | None:
             value = config.get(name)
             if isinstance(value, dict):
                 value = value.get("content")
-            return tok.token_to_id(value) if isinstance(value, str) else None
+            return value if isinstance(value, str) else None
+
+        def token_id(name: str) -> int | None:
+            text = token_text(name)
+            return None if text is None else tok.token_to_id(text)
 
         bos = token_id("bos_token")
         if bos is None:
@@ -50,8 +64,9 @@ class Tokenizer:
             for value in source if isinstance(source, list) else [source]:
                 if isinstance(value, int) and value not in eos:
                     eos.append(value)
+        special = {name: text for name in SPECIAL_TOKEN_NAMES if (text := token_text(name)) is not None}
         return cls(tok, bos_token_id=bos, eos_token_ids=tuple(eos),
-                   add_bos_token=bool(config.get("add_bos_token", False)))
+                   add_bos_token=bool(config.get("add_bos_token", False)), special_tokens=special)
 
     @property
     def vocab_size(self) -> int:

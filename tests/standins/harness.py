@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from trtserver.engine.base import GenerationRequest, SamplingParams, SequenceOutput
+
 STANDINS = Path(__file__).resolve().parent
 GENERATIONS = ("v1", "v0", "jetson")
 VOCAB = ["<s>", "</s>", *[f"w{i}" for i in range(2, 64)]]
@@ -52,10 +54,16 @@ def standin(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 def make_engine_dir(
-    root: Path, *, trtllm_version: str | None = "1.2.0", context_length: int = 256, **build: Any
+    root: Path,
+    *,
+    trtllm_version: str | None = "1.2.0",
+    context_length: int = 256,
+    vocab_size: int = len(VOCAB),
+    **build: Any,
 ) -> Path:
     """An engine directory: tokenizer files, HF config, manifest; with ``trtllm_version`` also a
-    TensorRT-LLM engine under ``trtllm/`` (config.json with pretrained_config + build_config)."""
+    TensorRT-LLM engine under ``trtllm/`` (config.json with pretrained_config + build_config).
+    ``vocab_size`` is the model's (padded, as in many HF configs) vocabulary; the tokenizer has 64."""
     root.mkdir(parents=True, exist_ok=True)
     tokenizer = {
         "version": "1.0",
@@ -86,7 +94,8 @@ def make_engine_dir(
             {
                 "architectures": ["LlamaForCausalLM"],
                 "model_type": "llama",
-                "vocab_size": len(VOCAB),
+                "vocab_size": vocab_size,
+                "num_hidden_layers": 2,
                 "eos_token_id": EOS,
             }
         )
@@ -120,7 +129,8 @@ def make_engine_dir(
                     "pretrained_config": {
                         "architecture": "LlamaForCausalLM",
                         "dtype": "float16",
-                        "vocab_size": len(VOCAB),
+                        "vocab_size": vocab_size,
+                        "num_hidden_layers": 2,
                     },
                 }
             )
@@ -129,3 +139,57 @@ def make_engine_dir(
         manifest["trtllm"] = {"version": trtllm_version, "engine_dir": "trtllm", "build_args": build_config}
     (root / "trtserver.json").write_text(json.dumps(manifest))
     return root
+
+
+# --- a TrtllmEngine over a stand-in, and reading what it yields -------------------------------------
+
+VERSIONS = {"v1": "1.2.0", "v0": "0.16.0", "jetson": "0.12.0"}
+
+
+def make_engine(
+    standin: Any,
+    tmp_path: Path,
+    generation: str,
+    *,
+    engine: bool = True,
+    jetson: bool = False,
+    monkeypatch: pytest.MonkeyPatch | None = None,
+    **config: Any,
+) -> Any:
+    standin(generation)
+    if jetson:
+        assert monkeypatch is not None
+        monkeypatch.setattr("trtserver.engine.trtllm.version.on_tegra", lambda: True)
+    build = config.pop("build", {})
+    root = make_engine_dir(
+        tmp_path / "e", trtllm_version=VERSIONS[generation] if engine else None, **build
+    )
+    from trtserver.config import ServerConfig
+    from trtserver.engine.trtllm import TrtllmEngine
+
+    return TrtllmEngine(ServerConfig(engine_dir=str(root), **config))
+
+
+def request(
+    rid: str = "r", *, n: int = 1, prompt: list[int] | None = None, **sampling: Any
+) -> GenerationRequest:
+    extra = {
+        k: sampling.pop(k) for k in ("priority", "adapter", "guided", "logits_processors") if k in sampling
+    }
+    sampling.setdefault("temperature", 0.8)
+    return GenerationRequest(rid, prompt or [2, 3, 4], SamplingParams(**sampling), n=n, **extra)
+
+
+async def collect(engine: Any, req: GenerationRequest) -> list[SequenceOutput]:
+    await engine.start()
+    return [d async for d in engine.generate(req)]
+
+
+def tokens(deltas: list[SequenceOutput], index: int = 0) -> list[int]:
+    return [t for d in deltas if d.index == index for t in d.token_ids]
+
+
+def finish(deltas: list[SequenceOutput], index: int = 0) -> SequenceOutput:
+    done = [d for d in deltas if d.index == index and d.finish_reason is not None]
+    assert len(done) == 1, deltas
+    return done[0]

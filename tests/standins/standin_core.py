@@ -3,6 +3,12 @@
 A request produces, per step, one token per sequence from ``SCRIPT`` (sequence i is shifted by i),
 honouring the sampling params' own names (max_tokens or max_new_tokens, end_id, stop_token_ids,
 ignore_eos, n/best_of or beam_width, logprobs / _return_log_probs / return_log_probs).
+
+The prompt is "scored" by :func:`context_logits`: row *i* is the distribution computed at prompt
+position *i*, which predicts token *i + 1* (the last row predicts the first generated token), as
+TensorRT-LLM's ``context_logits`` are. ``prompt_logprobs`` (0.20+) are made from those rows as
+TensorRT-LLM's ``_topk_logprobs(context_logits, k, None)`` makes them: the top k of each row, with
+the real next token absent unless it is among them.
 """
 
 from __future__ import annotations
@@ -21,6 +27,65 @@ UNKNOWN = object()
 class Logprob:
     logprob: float
     rank: int | None = None
+
+
+def vocab_size(config: dict[str, Any]) -> int:
+    """The model's vocabulary: the engine's ``pretrained_config`` or the HF ``config.json``."""
+    return int((config.get("pretrained_config") or config).get("vocab_size") or 64)
+
+
+def context_logits(prompt: list[int], vocab: int) -> Any:
+    """``[len(prompt), vocab]`` float32: position i favours token ``prompt[i] + 1``, then ``+ 2``."""
+    import torch
+
+    logits = torch.zeros(len(prompt), vocab, dtype=torch.float32)
+    for i, tok in enumerate(prompt):
+        logits[i, (tok + 1) % vocab] = 3.0
+        logits[i, (tok + 2) % vocab] = 1.0
+        logits[i, (tok * 7) % vocab] -= 2.0
+    return logits
+
+
+def generation_logits_row(tok: int, vocab: int) -> Any:
+    """The logits a generated token was sampled from: it is favoured, ``tok + 1`` next."""
+    import torch
+
+    row = torch.zeros(vocab, dtype=torch.float32)
+    row[tok % vocab] = 2.0
+    row[(tok + 1) % vocab] = 1.0
+    return row
+
+
+def topk_logprobs(logits: Any, k: int) -> list[dict[int, Logprob]]:
+    """TensorRT-LLM's ``_topk_logprobs(logits, k, tokens=None)``: one dict per row, ranks from 1."""
+    import torch
+
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    values, indices = torch.topk(logprobs, k=k, dim=-1)
+    return [{int(i): Logprob(float(v), r + 1) for r, (v, i) in enumerate(zip(vals, idx, strict=True))}
+            for vals, idx in zip(values, indices, strict=True)]
+
+
+def release(llm: Any) -> tuple[int, int]:
+    """The stand-in's ``tensorrt_llm.__version__`` as (major, minor); a test may set another."""
+    import sys
+
+    major, minor = str(sys.modules["tensorrt_llm"].__version__).split(".")[:2]
+    return int(major), int(minor)
+
+
+def check_embedding_bias(sp: Any, config: dict[str, Any]) -> None:
+    """C++: ``TLLM_CHECK_WITH_INFO(embeddingBias->getShape().d[1] == modelConfig.getVocabSize(), ...)``
+    (the PyTorch backend's sampler adds the row to the logits, which fails the same way)."""
+    bias = getattr(sp, "embedding_bias", None)
+    vocab = vocab_size(config)
+    if bias is not None and int(bias.shape[-1]) != vocab:
+        try:
+            from tensorrt_llm.executor import RequestError
+        except ImportError:  # the 0.12 stand-in models no executor module: the C++ error as it is
+            RequestError = RuntimeError  # noqa: N806
+        raise RequestError("The embedding bias shape is not as expected. Expected last dimension to be "
+                           f"same as vocab size: {vocab}.")
 
 
 def read_engine_config(model: str | Path) -> dict[str, Any]:
@@ -69,7 +134,12 @@ class Result:
         self._events: asyncio.Queue[bool] = asyncio.Queue()
         self._finished_event = asyncio.Event()
         self._cancel = False
+        self._context_logits: Any = None
         self.task: asyncio.Task[None] | None = None
+
+    @property
+    def context_logits(self) -> Any:
+        return self._context_logits
 
     @property
     def outputs(self) -> list[Any]:
@@ -110,12 +180,22 @@ async def run(result: Result, sp: Any, llm: Any, *, finish_reasons: bool) -> Non
     end_id = get(sp, "end_id")
     stop_ids = list(get(sp, "stop_token_ids", default=[]) or [])
     ignore_eos = bool(get(sp, "ignore_eos", default=False))
+    if ignore_eos and release(llm) > (1, 2):
+        stop_ids = []  # main's base_worker: stop_words=[] if ignore_eos else _get_stop_words()
+    keep_stop = bool(get(sp, "include_stop_str_in_output", default=False))
+    want_logits = bool(getattr(sp, "return_generation_logits", False))
+    vocab = vocab_size(llm.config)
     top_k = get(sp, "logprobs")
     floats = bool(getattr(sp, "_return_log_probs", False) or get(sp, "return_log_probs", default=False))
+    if top_k and not getattr(llm, "trt", True) and release(llm) < (1, 1):
+        top_k, floats = None, True  # 1.0's PyTorch sampler: the sampled token's logprob only, as floats
     prompt_lp = get(sp, "prompt_logprobs")
     outs = result.outputs
+    scores = context_logits(result.prompt_token_ids, vocab_size(llm.config))
+    if getattr(sp, "return_context_logits", False):
+        result._context_logits = scores
     if prompt_lp:
-        outs[0].prompt_logprobs = [{t: Logprob(-2.0, 1)} for t in result.prompt_token_ids[1:]]
+        outs[0].prompt_logprobs = topk_logprobs(scores, prompt_lp)
     live = list(range(len(outs)))
     for step in range(max_tokens):
         await asyncio.sleep(0)
@@ -133,12 +213,19 @@ async def run(result: Result, sp: Any, llm: Any, *, finish_reasons: bool) -> Non
                 live.remove(i)
                 continue
             o.token_ids.append(tok)
+            if want_logits:  # [length, vocab], as CompletionOutput.generation_logits (trimmed to length)
+                import torch
+
+                o.generation_logits = torch.stack([generation_logits_row(t, vocab) for t in o.token_ids])
             if top_k:
                 o.logprobs.append({tok: Logprob(-0.25, 1), tok + 1: Logprob(-1.5, 2)})
             elif floats:
                 o.logprobs.append(-0.25)
             o.cumulative_logprob = (o.cumulative_logprob or 0.0) - 0.25
             if tok in stop_ids:
+                if not keep_stop:  # result.py: token_ids[:-len(stop_ids)] (0.12 handle_generation_msg too)
+                    del o.token_ids[-1:]
+                    del o.logprobs[len(o.token_ids):]
                 _finish(o, "stop", tok, finish_reasons)
                 live.remove(i)
             elif len(o.token_ids) >= max_tokens:

@@ -56,6 +56,7 @@ def test_default_build_from_cached_wheel(
     assert "TensorRT-LLM not installed: built only the portable engine directory" in out
     assert sorted(p.name for p in engine_dir.iterdir()) == sorted(
         [
+            "chat_template.jinja",
             "config.json",
             "generation_config.json",
             "model.safetensors",
@@ -75,6 +76,10 @@ def test_default_build_from_cached_wheel(
     assert manifest.dtype == "float32" and manifest.format == "hf-safetensors"
     assert manifest.context_length == TinyLlama().context_length
     assert manifest.trtllm is None
+    assert manifest.chat_template == "chat_template.jinja"
+    template = (engine_dir / "chat_template.jinja").read_text()
+    assert template.startswith("{% for m in messages %}<|im_start|>")
+    assert json.loads((engine_dir / "tokenizer_config.json").read_text())["chat_template"] == template
     assert manifest.created_by.startswith("trtserver ") and manifest.created_by.endswith(" build_engines")
     import hashlib
 

@@ -8,6 +8,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
@@ -223,3 +224,69 @@ async def test_hook_trtserver_response_ready(client: TestClient[Any, Any], plugi
     assert streamed.choices[0].text == "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert streamed.choices[0].text == whole.choices[0].text  # greedy: same text both ways
     assert streamed.choices[0].finish_reason == "length"
+
+
+class TemplatePlugin:
+    def __init__(self, answer: str | None) -> None:
+        self.answer = answer
+        self.seen: list[str | None] = []
+
+    @hookimpl
+    def trtserver_chat_template(self, config: ServerConfig, model_template: str | None) -> str | None:
+        self.seen.append(model_template)
+        return self.answer
+
+
+async def test_hook_trtserver_chat_template() -> None:
+    from trtserver.chat_template import resolve_chat_template
+    from trtserver.plugins import new_plugin_manager
+    from trtserver.testing import default_engine_dir
+    from trtserver.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(default_engine_dir())
+    config = ServerConfig(engine_dir=str(default_engine_dir()))
+    messages = [{"role": "user", "content": "Hi"}]
+    pm = new_plugin_manager()
+    silent, patching = TemplatePlugin(None), TemplatePlugin("{{ bos_token }}plugin: {{ messages[0].content }}")
+    pm.register(silent, name="silent")
+    pm.register(patching, name="patching")
+    template = resolve_chat_template(config, pm, tokenizer)
+    assert template is not None and template.render(messages) == "<|im_start|>plugin: Hi"
+    # firstresult: the later-registered plugin answered first, so the silent one was never asked
+    assert patching.seen and "<|im_start|>" in (patching.seen[0] or "") and silent.seen == []
+    pm.unregister(patching)
+    template = resolve_chat_template(config, pm, tokenizer)  # no answer: the engine directory's template
+    assert template is not None and "You are a helpful AI assistant named SmolLM" in template.render(messages)
+    assert silent.seen == [patching.seen[0]]
+    pm.register(patching, name="patching")
+    overridden = msgspec.structs.replace(config, chat_template="operator: {{ messages[0].content }}")
+    template = resolve_chat_template(overridden, pm, tokenizer)  # --chat-template wins, plugins are not asked
+    assert template is not None and template.render(messages) == "operator: Hi" and len(patching.seen) == 1
+
+
+class ToolParserPlugin:
+    @hookimpl
+    def trtserver_register_tool_parsers(self, register: Callable[..., None]) -> None:
+        register("shout", lambda tools: ShoutParser())
+
+
+class ShoutParser:
+    def feed(self, text: str) -> list[Any]:
+        from trtserver.tool_calls import ContentDelta
+
+        return [ContentDelta(text.upper())]
+
+    def finish(self) -> list[Any]:
+        return []
+
+
+async def test_hook_trtserver_register_tool_parsers() -> None:
+    from trtserver.plugins import load_plugins, new_plugin_manager
+    from trtserver.tool_calls import ContentDelta, registered_tool_parsers, tool_parser_factory
+
+    pm = new_plugin_manager()
+    load_plugins(pm, allowlist=[])  # trtserver's own plugins: the built-in hermes parser
+    pm.register(ToolParserPlugin(), name="shouting")
+    assert set(registered_tool_parsers(pm)) >= {"hermes", "shout"}
+    parser = tool_parser_factory(pm, "shout")([])
+    assert parser.feed("hi") == [ContentDelta("HI")] and parser.finish() == []

@@ -10,63 +10,14 @@ from typing import Any
 import pytest
 
 from tests.standins import harness
+from tests.standins.harness import collect, finish, make_engine, request, tokens
 from trtserver.config import ServerConfig
-from trtserver.engine.base import GenerationRequest, Priority, SamplingParams, SequenceOutput
-from trtserver.engine.trtllm_version import Generation
+from trtserver.engine.base import GenerationRequest, Priority, SequenceOutput
+from trtserver.engine.trtllm.version import Generation
 from trtserver.errors import Unsupported
 
 standin = harness.standin
-
-VERSIONS = {"v1": "1.2.0", "v0": "0.16.0", "jetson": "0.12.0"}
-
-
-def make_engine(
-    standin: Any,
-    tmp_path: Path,
-    generation: str,
-    *,
-    engine: bool = True,
-    jetson: bool = False,
-    monkeypatch: pytest.MonkeyPatch | None = None,
-    **config: Any,
-) -> Any:
-    standin(generation)
-    if jetson:
-        assert monkeypatch is not None
-        monkeypatch.setattr("trtserver.engine.trtllm_version.on_tegra", lambda: True)
-    build = config.pop("build", {})
-    root = harness.make_engine_dir(
-        tmp_path / "e", trtllm_version=VERSIONS[generation] if engine else None, **build
-    )
-    from trtserver.engine.trtllm import TrtllmEngine
-
-    return TrtllmEngine(ServerConfig(engine_dir=str(root), **config))
-
-
-def request(
-    rid: str = "r", *, n: int = 1, prompt: list[int] | None = None, **sampling: Any
-) -> GenerationRequest:
-    extra = {
-        k: sampling.pop(k) for k in ("priority", "adapter", "guided", "logits_processors") if k in sampling
-    }
-    sampling.setdefault("temperature", 0.8)
-    return GenerationRequest(rid, prompt or [2, 3, 4], SamplingParams(**sampling), n=n, **extra)
-
-
-async def collect(engine: Any, req: GenerationRequest) -> list[SequenceOutput]:
-    await engine.start()
-    return [d async for d in engine.generate(req)]
-
-
-def tokens(deltas: list[SequenceOutput], index: int = 0) -> list[int]:
-    return [t for d in deltas if d.index == index for t in d.token_ids]
-
-
-def finish(deltas: list[SequenceOutput], index: int = 0) -> SequenceOutput:
-    done = [d for d in deltas if d.index == index and d.finish_reason is not None]
-    assert len(done) == 1, deltas
-    return done[0]
-
+VERSIONS = harness.VERSIONS
 
 @pytest.mark.parametrize("generation", ["v1", "v0", "jetson"])
 def test_generates_until_max_tokens(standin: Any, tmp_path: Path, generation: str) -> None:
@@ -75,8 +26,9 @@ def test_generates_until_max_tokens(standin: Any, tmp_path: Path, generation: st
     assert tokens(deltas) == [10, 11, 12, 13]
     assert finish(deltas).finish_reason == "length"
     sp = engine._llm.calls[-1]["sampling_params"]
-    assert sp.max_tokens == 4 and sp.end_id == 1
-    assert sp.seed is not None  # always seeded
+    old_names = generation == "jetson"  # 0.12: max_new_tokens and random_seed only
+    assert (sp.max_new_tokens if old_names else sp.max_tokens) == 4 and sp.end_id == 1
+    assert (sp.random_seed if old_names else sp.seed) is not None  # always seeded
     assert engine.info.backend == "trtllm"
 
 
@@ -130,9 +82,10 @@ def test_jetson_uses_old_names_where_needed_and_has_no_abort(
         return out
 
     deltas = asyncio.run(run())
-    # no stop_token_ids on 0.12: our reader ends the sequence on the stop id
     assert tokens(deltas) == [10, 11, 12]
     assert finish(deltas).stop_token_id == 12
+    sp = engine._llm.calls[0]["sampling_params"]
+    assert sp.stop_token_ids == [12] and sp.max_new_tokens == 8 and sp.random_seed is not None
     result_cls = sys.modules["tensorrt_llm.hlapi.llm"].GenerationResult
     assert not hasattr(result_cls, "abort")
 
@@ -150,6 +103,9 @@ def test_jetson_standin_rejects_new_names(standin: Any) -> None:
         {"guided_decoding": object()},
         {"detokenize": False},
         {"min_p": 0.1},
+        {"max_tokens": 4},
+        {"seed": 1},
+        {"min_tokens": 1},
     ):
         with pytest.raises(TypeError):
             JetsonSP(**bad)
@@ -159,9 +115,19 @@ def test_v016_standin_rejects_later_names(standin: Any) -> None:
     standin("v0")
     from tensorrt_llm import SamplingParams as V0SP
 
-    for bad in ({"logits_processor": object()}, {"prompt_logprobs": 1}, {"min_p": 0.1}):
+    for bad in ({"logits_processor": object()}, {"prompt_logprobs": 1}, {"min_p": 0.1}, {"logprobs": 1}):
         with pytest.raises(TypeError):
             V0SP(**bad)
+    V0SP(return_log_probs=True, beam_width=2, num_return_sequences=2)
+    from tensorrt_llm.lora_manager import LoraConfig
+
+    with pytest.raises(TypeError):
+        LoraConfig(max_loras=8)
+    from tensorrt_llm.llmapi.llm_utils import LlmArgs
+
+    for name in ("gather_generation_logits", "lora_config"):
+        with pytest.raises(TypeError):
+            LlmArgs(model="m", **{name: True})
 
 
 def test_abort_calls_request_output_abort(standin: Any, tmp_path: Path) -> None:
@@ -265,7 +231,7 @@ def test_max_tokens_zero_sends_one_and_returns_none(standin: Any, tmp_path: Path
     assert engine._llm.calls[-1]["sampling_params"].max_tokens == 1
     assert tokens(deltas) == [] and finish(deltas).finish_reason == "length"
     assert deltas[0].prompt_logprobs is not None and deltas[0].prompt_logprobs[0] is None
-    assert deltas[0].prompt_token_logprobs == [None, -2.0, -2.0]
+    assert deltas[0].prompt_token_logprobs is not None and len(deltas[0].prompt_token_logprobs) == 3
 
 
 def test_refusals_raise_unsupported_with_param(standin: Any, tmp_path: Path) -> None:
@@ -306,7 +272,7 @@ def test_adapter_becomes_lora_request(standin: Any, tmp_path: Path) -> None:
 def test_plugin_logits_processor_is_passed_as_per_request_processor(standin: Any, tmp_path: Path) -> None:
     engine = make_engine(standin, tmp_path, "v1")
     asyncio.run(collect(engine, request(max_tokens=1, logits_processors=[lambda: lambda ids, row: None])))
-    from trtserver.engine.trtllm_logits import TrtllmLogitsProcessor
+    from trtserver.engine.trtllm.logits import TrtllmLogitsProcessor
 
     assert isinstance(engine._llm.calls[-1]["sampling_params"].logits_processor, TrtllmLogitsProcessor)
     v0 = make_engine(standin, tmp_path / "v0", "v0")

@@ -12,9 +12,9 @@ import pytest
 from tests.standins import harness
 from tests.support import AllowedTokens
 from trtserver.engine.base import GenerationRequest, Priority, SamplingParams, SequenceOutput
-from trtserver.engine.trtllm_mapping import RULES, Kind, refusals, render_markdown, splice_doc
-from trtserver.engine.trtllm_stream import StreamTranslator, split_logprob
-from trtserver.engine.trtllm_version import Generation, detect
+from trtserver.engine.trtllm.mapping import RULES, Kind, refusals, render_markdown, splice_doc
+from trtserver.engine.trtllm.stream import StreamTranslator, split_logprob
+from trtserver.engine.trtllm.version import Generation, detect
 
 standin = harness.standin
 
@@ -62,7 +62,7 @@ STANDIN_GEN = [
 def test_cells_agree_with_refusals(
     standin: Any, monkeypatch: pytest.MonkeyPatch, name: str, engine: bool, generation: Generation
 ) -> None:
-    monkeypatch.setattr("trtserver.engine.trtllm_version.on_tegra", lambda: True)
+    monkeypatch.setattr("trtserver.engine.trtllm.version.on_tegra", lambda: True)
     f = detect(standin(name), has_engine=engine).with_options(guided_backend="xgrammar", lora_enabled=True)
     assert f.generation is generation
     for rule in RULES:
@@ -241,7 +241,7 @@ class Guided:
 def test_logits_processor_masks_and_feeds_tokens() -> None:
     import torch
 
-    from trtserver.engine.trtllm_logits import TrtllmLogitsProcessor
+    from trtserver.engine.trtllm.logits import TrtllmLogitsProcessor
 
     guide = Guided({3, 40})
     calls: list[list[int]] = []
@@ -262,3 +262,13 @@ def test_logits_processor_masks_and_feeds_tokens() -> None:
     logits = torch.zeros(1, 1, 8)
     clone(1, logits, [[]], None, None)
     assert logits[0, 0, 5] == 0.0 and torch.isinf(logits[0, 0, 4])
+
+
+def test_chat_fields_map_onto_rows_of_the_table() -> None:
+    from trtserver.engine.trtllm.mapping import CHAT_FIELDS
+
+    named = {part.strip() for rule in RULES for part in rule.field.split(" / ")}
+    for chat, completions, _ in CHAT_FIELDS:
+        if completions != "the same field":
+            assert set(completions.split(" / ")) <= named, chat
+    assert "| `max_completion_tokens / max_tokens` | `max_tokens` |" in render_markdown()

@@ -11,7 +11,7 @@ import pytest
 
 from tests.standins import harness
 from trtserver.config import ServerConfig
-from trtserver.engine.trtllm_version import (
+from trtserver.engine.trtllm.version import (
     Generation,
     TrtllmVersionError,
     choose_generation,
@@ -24,8 +24,8 @@ standin = harness.standin
 
 def test_importing_trtserver_never_imports_tensorrt_llm() -> None:
     code = (
-        "import sys, trtserver, trtserver.engine.trtllm, trtserver.engine.trtllm_mapping, "
-        "trtserver.engine.trtllm_request, trtserver.engine.trtllm_stream, trtserver.engine.trtllm_logits; "
+        "import sys, trtserver, trtserver.engine.trtllm, trtserver.engine.trtllm.mapping, "
+        "trtserver.engine.trtllm.request, trtserver.engine.trtllm.stream, trtserver.engine.trtllm.logits; "
         "bad = [m for m in ('tensorrt_llm', 'torch') if m in sys.modules]; print(bad); sys.exit(bool(bad))"
     )
     done = subprocess.run(
@@ -53,13 +53,13 @@ def test_parse_release(version: str, release: tuple[int, int, int]) -> None:
 
 
 def test_choose_generation(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("trtserver.engine.trtllm_version.on_tegra", lambda: False)
+    monkeypatch.setattr("trtserver.engine.trtllm.version.on_tegra", lambda: False)
     assert choose_generation("1.0.0", has_engine=True) is Generation.V1_ENGINE
     assert choose_generation("1.2.1", has_engine=False) is Generation.V1_PYTORCH
     assert choose_generation("0.18.2", has_engine=True) is Generation.V0
     assert choose_generation("0.12.0", has_engine=True) is Generation.V0
     assert choose_generation("0.12.0-jetson", has_engine=True) is Generation.JETSON
-    monkeypatch.setattr("trtserver.engine.trtllm_version.on_tegra", lambda: True)
+    monkeypatch.setattr("trtserver.engine.trtllm.version.on_tegra", lambda: True)
     assert choose_generation("0.12.0", has_engine=True) is Generation.JETSON
     with pytest.raises(TrtllmVersionError, match="older than 0.12"):
         choose_generation("0.11.0", has_engine=True)
@@ -77,7 +77,8 @@ def test_detect_probes_each_standin(standin: Any) -> None:
     assert f.has_guided_params and f.lora and "prompt_logprobs" not in f.sampling_fields
     f = detect(standin("jetson"), has_engine=True)
     assert not f.has_abort and not f.multiple_sequences and not f.lora and not f.has_guided_params
-    assert f.name("stop_token_ids") is None and f.name("seed", "random_seed") == "seed"
+    assert f.name("stop_token_ids") == "stop_token_ids" and f.name("seed", "random_seed") == "random_seed"
+    assert f.name("max_tokens", "max_new_tokens") == "max_new_tokens" and "embedding_bias" in f.sampling_fields
 
 
 def test_stub_without_version_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,9 +108,9 @@ def test_unavailable_reasons_with_standin(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert trtllm.trtllm_unavailable_reason(config) == "no CUDA device is visible"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(trtllm, "installed_trtllm_version", lambda: "1.2.0")
+    monkeypatch.setattr(trtllm.availability, "installed_trtllm_version", lambda: "1.2.0")
     assert trtllm.trtllm_unavailable_reason(config) is None
-    monkeypatch.setattr(trtllm, "installed_trtllm_version", lambda: "1.2.1")
+    monkeypatch.setattr(trtllm.availability, "installed_trtllm_version", lambda: "1.2.1")
     assert "rebuild" in (trtllm.trtllm_unavailable_reason(config) or "")
     plain = ServerConfig(engine_dir=str(harness.make_engine_dir(tmp_path / "p", trtllm_version=None)))
     assert "no TensorRT-LLM engine" in (trtllm.trtllm_unavailable_reason(plain) or "")

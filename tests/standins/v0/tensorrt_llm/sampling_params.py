@@ -1,6 +1,8 @@
 """0.16-era SamplingParams: the 1.2 list without what came later (per-request logits_processor 0.19,
-prompt_logprobs 0.20, min_p ≈0.17, prompt_ignore_length, beam_width_array, additional_model_outputs,
-the private _return_log_probs); static ``logits_post_processor_name`` instead. GuidedDecodingParams (0.16)."""
+``logprobs: int`` and prompt_logprobs 0.20, min_p 1.0, prompt_ignore_length, beam_width_array,
+additional_model_outputs, the private _return_log_probs), with what went later (``return_log_probs``, and
+``beam_width`` / ``num_return_sequences`` deprecated in 0.15); static ``logits_post_processor_name``.
+GuidedDecodingParams (0.16)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ class SamplingParams:
     logits_post_processor_name: str | None = None
     n: int = 1
     best_of: int | None = None
+    beam_width: int | None = None
+    num_return_sequences: int | None = None
     use_beam_search: bool = False
     top_k: int | None = None
     top_p: float | None = None
@@ -54,7 +58,7 @@ class SamplingParams:
     length_penalty: float | None = None
     early_stopping: int | None = None
     no_repeat_ngram_size: int | None = None
-    logprobs: int | None = None
+    return_log_probs: bool = False
     return_context_logits: bool = False
     return_generation_logits: bool = False
     exclude_input_from_output: bool = True
@@ -96,5 +100,3 @@ class SamplingParams:
             raise ValueError("truncate_prompt_tokens must be >= 1")
         if self.guided_decoding is not None:
             self.guided_decoding._validate()
-        if self.logprobs is not None:
-            self.logprobs = int(self.logprobs)

@@ -1,5 +1,6 @@
-"""≈0.11/0.12 hlapi LLM: ``generate_async(inputs, sampling_params=None, streaming=False)`` returning a
-GenerationResult that supports await / async for; no abort, no finish_reason, no *_diff properties."""
+"""0.12 hlapi LLM: keywords are ``LlmArgs``'s fields; ``generate_async(inputs, sampling_params=None,
+streaming=False)`` returning a GenerationResult that supports await / async for; no abort, no
+finish_reason, no *_diff properties."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import standin_core as core
 
+from tensorrt_llm.hlapi.llm_utils import LlmArgs
 from tensorrt_llm.hlapi.utils import SamplingParams
 
 
@@ -28,17 +30,7 @@ class GenerationResult(core.Result):
 
 class LLM:
     def __init__(self, model: str, tokenizer: str | None = None, **kwargs: Any) -> None:
-        core.check_kwargs(
-            kwargs,
-            {
-                "skip_tokenizer_init",
-                "tensor_parallel_size",
-                "dtype",
-                "trust_remote_code",
-                "logits_post_processor_map",
-                "kv_cache_config",
-            },
-        )
+        self.args = LlmArgs.from_kwargs(model=model, tokenizer=tokenizer, **kwargs)
         self.config = core.read_engine_config(model)
         if "build_config" not in self.config:
             raise ValueError(f"{model} is not a TensorRT-LLM engine directory")
@@ -54,6 +46,9 @@ class LLM:
         if not isinstance(sp, SamplingParams):
             raise TypeError("sampling_params must be SamplingParams")
         prompt = list(inputs)
+        core.check_embedding_bias(sp, self.config)
+        if sp.return_generation_logits and not self.config["build_config"].get("gather_generation_logits"):
+            raise ValueError("`return_generation_logits` needs an engine built with gather_generation_logits")
         self.calls.append({"inputs": prompt, "sampling_params": sp, "streaming": streaming})
         outs = [CompletionOutput(index=i) for i in range(sp.beam_width)]
         result = GenerationResult(prompt, outs, streaming=streaming)

@@ -1,4 +1,5 @@
-"""0.16-era ``llmapi/llm.py``: one LLM class (TensorRT engine); no abort (0.19), no prompt_logprobs."""
+"""0.16-era ``llmapi/llm.py``: one LLM class (TensorRT engine) whose keywords are ``LlmArgs``'s fields;
+no abort (0.19), no prompt_logprobs, no per-request logits processors."""
 
 from __future__ import annotations
 
@@ -8,46 +9,8 @@ from typing import Any
 
 import standin_core as core
 
+from tensorrt_llm.llmapi.llm_utils import LlmArgs
 from tensorrt_llm.sampling_params import SamplingParams
-
-COMMON = {
-    "tokenizer",
-    "tokenizer_mode",
-    "skip_tokenizer_init",
-    "trust_remote_code",
-    "tensor_parallel_size",
-    "dtype",
-    "revision",
-    "tokenizer_revision",
-    "pipeline_parallel_size",
-    "gather_generation_logits",
-    "guided_decoding_backend",
-    "lora_config",
-    "kv_cache_config",
-    "max_batch_size",
-    "max_num_tokens",
-    "max_seq_len",
-    "build_config",
-    "enable_chunked_prefill",
-    "peft_cache_config",
-    "backend",
-}
-TRT_ONLY = {
-    "logits_post_processor_map",
-    "enable_tqdm",
-    "workspace",
-    "enable_build_cache",
-    "calib_config",
-    "quant_config",
-    "fast_build",
-    "batching_type",
-    "normalize_log_probs",
-    "extended_runtime_perf_knob_config",
-    "embedding_parallel_mode",
-    "enable_prompt_adapter",
-    "max_prompt_adapter_token",
-    "enable_lora",
-}
 
 
 @dataclass
@@ -82,17 +45,9 @@ class BaseLLM:
     trt = False
 
     def __init__(self, model: str, tokenizer: str | None = None, **kwargs: Any) -> None:
-        core.check_kwargs(kwargs, COMMON | (TRT_ONLY if self.trt else set()))
-        bad = set(kwargs) & TRT_ONLY
-        if bad and not self.trt:
-            raise ValueError(
-                f"{sorted(bad)} are specific to TensorRT backend; use "
-                "'from tensorrt_llm._tensorrt_engine import LLM'"
-            )
+        self.args = LlmArgs.from_kwargs(model=model, tokenizer=tokenizer, **kwargs)
         backend = kwargs.get("guided_decoding_backend")
-        if backend not in (None, "xgrammar", "llguidance") or (
-            self.trt and backend not in (None, "xgrammar")
-        ):
+        if backend not in (None, "xgrammar"):
             raise ValueError(f"Unsupported guided decoding backend {backend}")
         self.config = core.read_engine_config(model)
         is_engine = "pretrained_config" in self.config and "build_config" in self.config
@@ -122,6 +77,9 @@ class BaseLLM:
         if not isinstance(sp, SamplingParams):
             raise TypeError("sampling_params must be SamplingParams")
         prompt = list(inputs["prompt_token_ids"] if isinstance(inputs, dict) else inputs)
+        core.check_embedding_bias(sp, self.config)
+        if sp.return_generation_logits and not self.config["build_config"].get("gather_generation_logits"):
+            raise ValueError("`return_generation_logits` needs an engine built with gather_generation_logits")
         self._check_arguments(prompt, sp)
         self.calls.append(
             {"inputs": prompt, "sampling_params": sp, "lora_request": lora_request, "streaming": streaming}
@@ -129,7 +87,7 @@ class BaseLLM:
         count = sp.best_of or sp.n
         outs = [CompletionOutput(index=i) for i in range(count)]
         result = RequestOutput(
-            prompt, outs, streaming=streaming, llm=self, gathered_logprobs=bool(self.trt and sp.logprobs)
+            prompt, outs, streaming=streaming, llm=self, gathered_logprobs=False
         )
         result.task = asyncio.get_running_loop().create_task(core.run(result, sp, self, finish_reasons=True))
         return result
@@ -139,11 +97,8 @@ class BaseLLM:
         if self.trt:
             if prompt and len(prompt) + sp.max_tokens > build.get("max_seq_len", 1 << 30):
                 raise ValueError("prompt length plus max_tokens exceeds max_seq_len")
-            if sp.logprobs and not self.kwargs.get("gather_generation_logits"):
-                raise ValueError(
-                    "`logprobs` requires `gather_generation_logits=True` to be passed explicitly "
-                    "to the `LLM()` constructor"
-                )
+            if sp.return_context_logits and not build.get("gather_context_logits"):
+                raise ValueError("`return_context_logits` needs an engine built with gather_context_logits")
             if sp.use_beam_search and (sp.best_of or 1) > build.get("max_beam_width", 1):
                 raise ValueError("best_of exceeds max_beam_width")
         if sp.guided_decoding is not None and self.kwargs.get("guided_decoding_backend") is None:

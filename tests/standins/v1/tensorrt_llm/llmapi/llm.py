@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import standin_core as core
 
+from tensorrt_llm.executor import RequestError
 from tensorrt_llm.sampling_params import SamplingParams
 
 COMMON = {
@@ -27,6 +29,7 @@ COMMON = {
     "max_batch_size",
     "max_num_tokens",
     "max_seq_len",
+    "max_beam_width",
     "build_config",
     "enable_chunked_prefill",
     "peft_cache_config",
@@ -47,6 +50,20 @@ TRT_ONLY = {
     "max_prompt_adapter_token",
     "enable_lora",
 }
+
+
+# 1.0 docs/source/1.0/features/sampling.md: beam search needs the TRT-LLM sampler and no overlap/CUDA graphs
+TORCH_ONLY = {"enable_trtllm_sampler", "disable_overlap_scheduler", "cuda_graph_config"}
+
+
+class TorchLlmArgs:
+    """``llm_args.TorchLlmArgs`` (a pydantic model with extra="forbid"): its ``model_fields``."""
+
+    model_fields: dict[str, Any] = dict.fromkeys(COMMON | TORCH_ONLY)
+
+
+class TrtLlmArgs:
+    model_fields: dict[str, Any] = dict.fromkeys(COMMON | TRT_ONLY)
 
 
 @dataclass
@@ -90,9 +107,10 @@ class RequestOutput(core.Result):
 
 class BaseLLM:
     trt = False
+    load_seconds = 0.0  # how long building the executor takes (a blocking wait, as a real load is)
 
     def __init__(self, model: str, tokenizer: str | None = None, **kwargs: Any) -> None:
-        core.check_kwargs(kwargs, COMMON | (TRT_ONLY if self.trt else set()))
+        core.check_kwargs(kwargs, COMMON | (TRT_ONLY if self.trt else TORCH_ONLY))
         bad = set(kwargs) & TRT_ONLY
         if bad and not self.trt:
             raise ValueError(
@@ -104,6 +122,7 @@ class BaseLLM:
             self.trt and backend not in (None, "xgrammar")
         ):
             raise ValueError(f"Unsupported guided decoding backend {backend}")
+        time.sleep(self.load_seconds)
         self.config = core.read_engine_config(model)
         is_engine = "pretrained_config" in self.config and "build_config" in self.config
         if self.trt != is_engine:
@@ -111,11 +130,13 @@ class BaseLLM:
         if is_engine and kwargs.get("tensor_parallel_size", 1) != 1:
             raise ValueError("tensor_parallel_size differs from the engine's mapping")
         self.model, self.tokenizer, self.kwargs = model, tokenizer, kwargs
+        self.lora_module_layers = self._lora_module_layers() if is_engine else None
         self.calls: list[dict[str, Any]] = []
         self.aborted: list[int] = []
         self.crashed = False
         self.shut = False
         self.script: list[int] | None = None
+        self.max_queue_size: int | None = None
 
     def generate_async(
         self,
@@ -137,7 +158,18 @@ class BaseLLM:
         if not isinstance(sp, SamplingParams):
             raise TypeError("sampling_params must be SamplingParams")
         prompt = list(inputs["prompt_token_ids"] if isinstance(inputs, dict) else inputs)
+        core.check_embedding_bias(sp, self.config)
         self._check_arguments(prompt, sp)
+        if self.max_queue_size is not None and len(self.calls) >= self.max_queue_size:
+            # executorImpl.cpp enqueueRequests, surfacing as the worker's RequestError
+            raise RequestError(
+                f"Maximum queue size of {self.max_queue_size} has been reached, please try again later"
+            )
+        if len(prompt) > self.config.get("build_config", {}).get("max_input_len", 1 << 30):
+            raise RequestError(f"Prompt length ({len(prompt)}) exceeds maximum input length")
+        if lora_request is not None and self.lora_module_layers == 0:
+            # a PEFT cache sized for no module can hold no adapter (the likely outcome in C++)
+            raise RequestError("LoRA adapter does not fit the PEFT cache (0 module layers)")
         self.calls.append(
             {"inputs": prompt, "sampling_params": sp, "lora_request": lora_request, "streaming": streaming}
         )
@@ -149,6 +181,18 @@ class BaseLLM:
         result.task = asyncio.get_running_loop().create_task(core.run(result, sp, self, finish_reasons=True))
         return result
 
+    def _lora_module_layers(self) -> int | None:
+        """≈1.1 ``_TrtLLM._build_model``: the engine's lora_config unless the LLM args carry one
+        ("Overriding lora_config from engine with lora_config from LLM args"); the PEFT cache holds
+        ``num_hidden_layers * len(lora_target_modules + missing_qkv_modules)`` module layers."""
+        build = self.config["build_config"]
+        if build.get("plugin_config", {}).get("lora_plugin") in (None, False, "disable"):
+            return None
+        lora = self.kwargs.get("lora_config")
+        modules = list(lora.lora_target_modules) if lora is not None else list(
+            build.get("lora_config", {}).get("lora_target_modules", []))
+        return int(self.config["pretrained_config"].get("num_hidden_layers", 1)) * len(modules)
+
     def _check_arguments(self, prompt: list[int], sp: SamplingParams) -> None:
         build = self.config.get("build_config", {})
         if self.trt:
@@ -158,6 +202,10 @@ class BaseLLM:
                 raise ValueError(
                     "`prompt_logprobs` requires `gather_context_logits=True` in the `BuildConfig`"
                 )
+            if sp.return_context_logits and not build.get("gather_context_logits"):
+                raise ValueError(
+                    "`return_context_logits` requires `gather_context_logits=True` in the `BuildConfig`"
+                )
             if sp.logprobs and not self.kwargs.get("gather_generation_logits"):
                 raise ValueError(
                     "`logprobs` requires `gather_generation_logits=True` to be passed explicitly "
@@ -165,6 +213,11 @@ class BaseLLM:
                 )
             if sp.use_beam_search and (sp.best_of or 1) > build.get("max_beam_width", 1):
                 raise ValueError("best_of exceeds max_beam_width")
+        if not self.trt and sp.use_beam_search:
+            if (sp.best_of or 1) > self.kwargs.get("max_beam_width", 1):
+                raise ValueError("best_of exceeds the LLM's max_beam_width")
+            if core.release(self) < (1, 2) and not self.kwargs.get("enable_trtllm_sampler"):
+                raise ValueError("beam search on the PyTorch backend needs enable_trtllm_sampler=True")
         if sp.guided_decoding is not None and self.kwargs.get("guided_decoding_backend") is None:
             raise RuntimeError(
                 "Request is specified with GuidedDecodingParams, but GuidedDecoder is not setup"

@@ -1,16 +1,18 @@
 """Which TensorRT-LLM API generation is installed, found at run time (never at import time).
 
-Four generations (facts and citations: ``/work/shared/ref/trtllm-api.md``):
+Four generations (what each supports: the mapping table in ``docs/deploy.md``):
 
 * ``1.x-engine``  — 1.x serving a prebuilt TensorRT engine: ``tensorrt_llm._tensorrt_engine.LLM``.
 * ``1.x-pytorch`` — 1.x serving the engine directory's HF checkpoint on TRT-LLM's PyTorch backend
   (``tensorrt_llm.LLM`` is the PyTorch class from 1.0 on).
-* ``0.x``         — 0.12 … 0.21 with a prebuilt engine: ``tensorrt_llm.LLM`` (``hlapi`` on 0.12).
+* ``0.x``         — 0.12 … 0.21 with a prebuilt engine: ``tensorrt_llm.LLM`` (from ``tensorrt_llm.hlapi``
+  through 0.14, ``tensorrt_llm.llmapi`` from 0.15).
 * ``0.12-jetson`` — the ``v0.12.0-jetson`` branch (JetPack 6, Python 3.10): ``tensorrt_llm.hlapi``,
   no abort, no n/best_of, no per-request logits processors, no guided decoding, no LoRA in the LLM class.
 
 Besides the version number, the names that moved are probed on the module itself (SamplingParams
-fields, ``generate_async`` parameters), so a build in between is handled by what it actually has.
+fields, ``generate_async`` parameters, the LLM's ``LlmArgs`` fields), so a build in between is handled
+by what it actually has.
 Nothing here imports ``tensorrt_llm``; :func:`detect` receives the already imported module.
 """
 
@@ -85,12 +87,16 @@ class BuildFacts:
     gather_generation_logits: bool = False
     lora_plugin: bool = False
     vocab_size: int = 0
+    lora_target_modules: tuple[str, ...] = ()
+    lora_modules_to_hf: tuple[tuple[str, str], ...] = ()
+    max_lora_rank: int = 0
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> BuildFacts:
         build = config.get("build_config") or {}
         pretrained = config.get("pretrained_config") or {}
         plugin = build.get("plugin_config") or {}
+        lora = build.get("lora_config") or {}
         return cls(
             max_batch_size=int(build.get("max_batch_size") or 0),
             max_input_len=int(build.get("max_input_len") or 0),
@@ -102,6 +108,10 @@ class BuildFacts:
                                           or build.get("gather_all_token_logits")),
             lora_plugin=plugin.get("lora_plugin") not in (None, False, "disable"),
             vocab_size=int(pretrained.get("vocab_size") or 0),
+            lora_target_modules=tuple(str(m) for m in lora.get("lora_target_modules") or ()),
+            lora_modules_to_hf=tuple((str(k), str(v)) for k, v in
+                                     (lora.get("trtllm_modules_to_hf_modules") or {}).items()),
+            max_lora_rank=int(lora.get("max_lora_rank") or 0),
         )
 
 
@@ -116,10 +126,14 @@ class ApiFeatures:
     has_abort: bool
     has_guided_params: bool
     build: BuildFacts = BuildFacts()
+    llm_args: frozenset[str] | None = None
+    """The LLM constructor's keywords (its LlmArgs fields); None where they could not be read."""
     # start-time choices (ours), filled in by the engine
     gather_generation_logits: bool = False
     guided_backend: str | None = None
     lora_enabled: bool = False
+    pytorch_beam_width: int = 1
+    """The PyTorch backend's LLM(max_beam_width=...), from the server option (1: no beam search)."""
 
     @property
     def release(self) -> tuple[int, int, int]:
@@ -130,6 +144,11 @@ class ApiFeatures:
         return self.generation is not Generation.V1_PYTORCH
 
     @property
+    def max_beam_width(self) -> int:
+        """Beams a request may ask for: the engine's build, or what the PyTorch LLM was started with."""
+        return self.build.max_beam_width if self.trt_backend else self.pytorch_beam_width
+
+    @property
     def multiple_sequences(self) -> bool:
         return "n" in self.sampling_fields and "best_of" in self.sampling_fields
 
@@ -137,6 +156,12 @@ class ApiFeatures:
     def dynamic_logits_processor(self) -> bool:
         """Per-request ``SamplingParams(logits_processor=…)`` (0.19+)."""
         return "logits_processor" in self.sampling_fields
+
+    @property
+    def logits_logprobs(self) -> bool:
+        """Top-k logprobs computed by us from ``generation_logits`` (0.12–0.19: no ``logprobs: int``)."""
+        return ("logprobs" not in self.sampling_fields and "return_generation_logits" in self.sampling_fields
+                and self.build.gather_generation_logits)
 
     @property
     def priority(self) -> bool:
@@ -150,6 +175,12 @@ class ApiFeatures:
     def finish_reason(self) -> bool:
         return self.release >= (0, 14, 0)
 
+    def llm_accepts(self, name: str) -> bool:
+        """``LLM(name=...)`` is accepted; by release where the args class could not be read."""
+        if self.llm_args is not None:
+            return name in self.llm_args
+        return self.release >= (1, 0, 0)
+
     def name(self, *candidates: str) -> str | None:
         """The first of ``candidates`` that this version's SamplingParams accepts (new name first)."""
         for candidate in candidates:
@@ -159,6 +190,26 @@ class ApiFeatures:
 
     def with_options(self, **changes: Any) -> ApiFeatures:
         return dataclasses.replace(self, **changes)
+
+
+def llm_arg_fields(module: ModuleType, generation: Generation) -> frozenset[str] | None:
+    """The LLM's keywords: pydantic ``model_fields`` of 1.x ``TrtLlmArgs`` / ``TorchLlmArgs``, or the
+    fields of the ``@dataclass LlmArgs`` that 0.12–0.x build with ``cls(**kwargs)``."""
+    root = module.__name__
+    names = {Generation.V1_ENGINE: ["llmapi.llm_args:TrtLlmArgs"],
+             Generation.V1_PYTORCH: ["llmapi.llm_args:TorchLlmArgs"]}.get(generation, [])
+    names += ["llmapi.llm_args:LlmArgs", "llmapi.llm_utils:LlmArgs", "hlapi.llm_utils:LlmArgs"]
+    for name in names:
+        try:
+            cls = _first_attr(module, [f"{root}.{name}"])
+        except TrtllmVersionError:
+            continue
+        model_fields = getattr(cls, "model_fields", None)
+        if isinstance(model_fields, dict):
+            return frozenset(model_fields)
+        if dataclasses.is_dataclass(cls):
+            return frozenset(f.name for f in dataclasses.fields(cls))
+    return None
 
 
 def class_fields(cls: type) -> frozenset[str]:
@@ -217,6 +268,16 @@ def lora_request_class(module: ModuleType) -> type | None:
         return None
 
 
+def request_error_class(module: ModuleType) -> type[BaseException] | None:
+    """``RequestError(RuntimeError)``: what the executor raises for one request it cannot take."""
+    root = module.__name__
+    try:
+        return _first_attr(module, [f"{root}.executor:RequestError",  # type: ignore[no-any-return]
+                                    f"{root}.executor.utils:RequestError"])
+    except TrtllmVersionError:
+        return None
+
+
 def choose_generation(version: str, *, has_engine: bool) -> Generation:
     release = parse_release(version)
     if release < (0, 12, 0):
@@ -248,4 +309,4 @@ def detect(module: ModuleType, *, has_engine: bool, build: BuildFacts | None = N
     has_guided = "guided_decoding" in sp_fields and guided_params_class(module) is not None
     return ApiFeatures(version=version, generation=generation, sampling_fields=sp_fields,
                        generate_params=gen_params, has_abort=has_abort, has_guided_params=has_guided,
-                       build=build or BuildFacts())
+                       build=build or BuildFacts(), llm_args=llm_arg_fields(module, generation))

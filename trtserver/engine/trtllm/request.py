@@ -2,7 +2,7 @@
 
 Pure: the keyword dict is built here and the engine constructs the real ``SamplingParams`` from it,
 so a name this version does not have fails loudly in the library's own constructor (TypeError).
-Rules follow ``trtllm_mapping.RULES``; facts in ``/work/shared/ref/trtllm-api.md`` §2.
+Rules follow ``mapping.RULES``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trtserver.engine.base import GenerationRequest, Priority
-from trtserver.engine.trtllm_mapping import logprobs_without_streaming_abort, native_guide
-from trtserver.engine.trtllm_version import ApiFeatures, Generation
+from trtserver.engine.trtllm.mapping import logprobs_without_streaming_abort, native_guide
+from trtserver.engine.trtllm.version import ApiFeatures, Generation
 
 # Priority -> TRT-LLM's float in [0, 1]; higher runs first; 0.5 is its default
 PRIORITY_VALUES = {Priority.HIGH: 1.0, Priority.NORMAL: 0.5, Priority.LOW: 0.25, Priority.LOWEST: 0.0}
@@ -37,6 +37,8 @@ class Prepared:
     embedding_bias: list[tuple[int, float]] | None = None
     """(token, bias) pairs; ``allowed_only`` turns every other token to -inf."""
     allowed_only: tuple[int, ...] | None = None
+    logits_logprobs: bool = False
+    """Logprobs are computed by the stream reader from ``generation_logits``."""
 
 
 def _early_stopping(value: bool | str) -> int:
@@ -88,7 +90,10 @@ def prepare(request: GenerationRequest, f: ApiFeatures, *, eos_ids: tuple[int, .
     if s.repetition_penalty != 1.0:
         kw["repetition_penalty"] = s.repetition_penalty
     if s.ignore_eos:
-        kw["ignore_eos"] = True
+        if "ignore_eos" in f.sampling_fields:
+            kw["ignore_eos"] = True
+        else:
+            kw["end_id"] = -1  # what 0.15+'s worker sends for ignore_eos; before 0.15 it reaches C++ as is
     # stop token ids (extra EOS ids too: TRT-LLM knows one end_id)
     stop_ids = list(s.stop_token_ids)
     if not s.ignore_eos:
@@ -96,6 +101,12 @@ def prepare(request: GenerationRequest, f: ApiFeatures, *, eos_ids: tuple[int, .
     if stop_ids:
         if "stop_token_ids" in f.sampling_fields:
             kw["stop_token_ids"] = stop_ids
+            if "include_stop_str_in_output" in f.sampling_fields:
+                # TRT-LLM would cut the matched stop token from token_ids; the torch engine keeps it
+                kw["include_stop_str_in_output"] = True
+            if s.ignore_eos:
+                # main's worker drops every stop word when ignore_eos is set: stop on them ourselves too
+                prep.our_stop_ids = frozenset(stop_ids)
         else:
             prep.our_stop_ids = frozenset(stop_ids)
     # several sequences / beams
@@ -118,17 +129,22 @@ def prepare(request: GenerationRequest, f: ApiFeatures, *, eos_ids: tuple[int, .
                 prep.attrs["_return_log_probs"] = True
             else:
                 kw["logprobs"] = max(s.logprobs, 1)
+        elif s.logprobs > 0 and f.logits_logprobs:
+            kw["return_generation_logits"] = True
+            prep.logits_logprobs = True
         else:
             kw["return_log_probs"] = True
     if s.prompt_logprobs is not None:
-        kw["prompt_logprobs"] = max(s.prompt_logprobs, 1)
+        # scored by us from the context logits (TRT-LLM's prompt_logprobs omit the real token)
+        kw["return_context_logits"] = True
     # logit bias / allowed ids natively when embedding_bias exists and no processor is needed anyway
     if (s.logit_bias or s.allowed_token_ids is not None) and "embedding_bias" in f.sampling_fields:
         prep.embedding_bias = list(s.logit_bias)
         prep.allowed_only = s.allowed_token_ids
     # streaming and abort: #10810, and beam search comes back whole
     avoid = s.logprobs is not None and logprobs_without_streaming_abort(f)
-    prep.streaming = not s.use_beam_search and not avoid
+    # generation logits are read whole from the final result
+    prep.streaming = not s.use_beam_search and not avoid and not prep.logits_logprobs
     prep.abortable = f.has_abort and not avoid
     return prep
 
@@ -145,7 +161,7 @@ def guided_kwargs(request: GenerationRequest, f: ApiFeatures) -> dict[str, Any] 
     """``GuidedDecodingParams`` keywords when the guide goes to TRT-LLM's xgrammar; else None."""
     if not native_guide(request, f):
         return None
-    from trtserver.engine.trtllm_mapping import guide_of
+    from trtserver.engine.trtllm.mapping import guide_of
 
     spec, _ = guide_of(request)
     assert spec is not None
@@ -167,8 +183,14 @@ def llm_kwargs(f: ApiFeatures, *, tokenizer_dir: str, tp: int, pp: int,
             kw["tensor_parallel_size"] = tp
         if pp > 1:
             kw["pipeline_parallel_size"] = pp
+        if f.pytorch_beam_width > 1 and f.llm_accepts("max_beam_width"):
+            kw["max_beam_width"] = f.pytorch_beam_width
+            if f.release < (1, 2, 0):
+                # 1.0's beam search is the TRT-LLM sampler's, without overlap scheduler or CUDA graphs
+                beam = {"enable_trtllm_sampler": True, "disable_overlap_scheduler": True, "cuda_graph_config": None}
+                kw.update({k: v for k, v in beam.items() if f.llm_accepts(k)})
     # TP/PP of a prebuilt engine come from the engine's mapping (a different value raises)
-    if f.gather_generation_logits and f.generation is not Generation.JETSON:
+    if f.gather_generation_logits:
         kw["gather_generation_logits"] = True
     if f.guided_backend is not None:
         kw["guided_decoding_backend"] = f.guided_backend

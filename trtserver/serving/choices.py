@@ -1,7 +1,6 @@
-"""One choice's state while its sequence streams: text, stop, logprobs, token counts.
-
-Echo and logprob formatting are written once here, for the streamed and the collected response
-alike (the collected response is the stream, joined).
+"""One choice's state while its sequence streams (text, stop, token counts), and the completions
+API's pieces of it: echo and legacy logprobs, written once for the streamed and the collected
+response alike (the collected response is the stream, joined).
 """
 
 from __future__ import annotations
@@ -155,12 +154,10 @@ class PromptScores:
 
 
 def choice_piece(request: CompletionRequest, prompt_ids: list[int], choice: ChoiceState, delta: SequenceOutput,
-                 namer: TokenNamer, stride: int, scores: PromptScores | None) -> CompletionChoice | None:
-    """Apply one engine delta to ``choice``; the choice's piece of the chunk to send (None: nothing
-    to send yet). The first piece carries echo, prompt logprobs and prompt token ids."""
-    first = not choice.started
-    choice.started = True
-    text = choice.advance(delta)
+                 text: str, first: bool, namer: TokenNamer, stride: int, scores: PromptScores | None
+                 ) -> CompletionChoice | None:
+    """The completion choice's piece of the chunk for one applied engine delta (None: nothing to
+    send yet). The first piece carries echo, prompt logprobs and prompt token ids."""
     if request.use_beam_search:
         choice.beam_score = delta.cumulative_logprob
     logprobs: CompletionLogprobs | None = None

@@ -7,6 +7,11 @@ relative to the previous *response*, not to our previous read). Logprobs come in
 (``list[dict[id, Logprob]]`` or ``list[float]``) and, on some versions, only as the newest part
 while streaming; both are handled. ``finish_reason`` is mapped when the version has it (0.14+)
 and inferred from the last token otherwise.
+
+Prompt logprobs are computed here from ``RequestOutput.context_logits`` (asked for with
+``return_context_logits``): row *i* is the distribution at prompt position *i*, which scores prompt
+token *i + 1*; TensorRT-LLM's own ``prompt_logprobs`` are the top k of those rows without the real
+token, so they cannot score a prompt.
 """
 
 from __future__ import annotations
@@ -39,14 +44,18 @@ class StreamTranslator:
     """Turns successive RequestOutput states of one request into deltas."""
 
     def __init__(self, request: GenerationRequest, *, eos_ids: Sequence[int], our_stop_ids: frozenset[int],
-                 max_tokens: int, has_finish_reason: bool) -> None:
+                 max_tokens: int, has_finish_reason: bool, vocab_size: int = 0,
+                 logits_logprobs: bool = False) -> None:
         self.request = request
+        self.logits_logprobs = logits_logprobs
+        self.vocab_size = vocab_size
         self.eos_ids = frozenset(eos_ids)
         self.stop_ids = frozenset(request.sampling.stop_token_ids)
         self.our_stop_ids = our_stop_ids
         self.max_tokens = max_tokens
         self.has_finish_reason = has_finish_reason
         self.beam = request.sampling.use_beam_search
+        self.ignore_eos = request.sampling.ignore_eos
         self.k = request.sampling.logprobs
         count = request.n
         self.sent = [0] * count
@@ -61,12 +70,17 @@ class StreamTranslator:
         final = bool(getattr(output, "finished", False))
         if self.beam and not final:
             return []
+        prompt_rows = None
+        if not self.prompt_sent:
+            prompt_rows = getattr(output, "context_logits", None)
+            if prompt_rows is None and not final:
+                return []  # tokens are cumulative: they follow with the prompt's logprobs
         deltas = []
         for seq in output.outputs:
             index = int(seq.index)
             if index >= len(self.done) or self.done[index]:
                 continue
-            delta = self._sequence(seq, index, final)
+            delta = self._sequence(seq, index, final, prompt_rows)
             if delta is not None:
                 deltas.append(delta)
         if final:  # anything the executor did not report on is over now
@@ -80,7 +94,7 @@ class StreamTranslator:
         return SequenceOutput(request_id=self.request.request_id, index=index, token_ids=[],
                               finish_reason=reason, num_prompt_tokens=len(self.request.prompt_token_ids))
 
-    def _sequence(self, seq: Any, index: int, final: bool) -> SequenceOutput | None:
+    def _sequence(self, seq: Any, index: int, final: bool, prompt_rows: Any) -> SequenceOutput | None:
         all_ids = list(seq.token_ids)
         start = 0 if self.beam else self.sent[index]
         new = all_ids[start:self.max_tokens]
@@ -110,7 +124,7 @@ class StreamTranslator:
         if self.beam:
             delta.cumulative_logprob = float(getattr(seq, "cumulative_logprob", None) or 0.0)
         if not self.prompt_sent and index == 0:
-            self._prompt_logprobs(delta, seq)
+            self._prompt_logprobs(delta, prompt_rows)
         self.sent[index] = start + len(new)
         if reason is not None:
             self.done[index] = True
@@ -127,11 +141,17 @@ class StreamTranslator:
         """No finish_reason on this version (before 0.14)."""
         if ids and (ids[-1] in self.stop_ids or ids[-1] in self.our_stop_ids) and ids[-1] not in self.eos_ids:
             return "stop", ids[-1]
-        if len(ids) >= self.max_tokens and not (ids and ids[-1] in self.eos_ids):
+        if len(ids) >= self.max_tokens and not (ids and ids[-1] in self.eos_ids and not self.ignore_eos):
             return "length", None
         return "stop", None
 
     def _logprobs(self, delta: SequenceOutput, seq: Any, start: int, total: int) -> None:
+        if self.logits_logprobs:
+            rows = getattr(seq, "generation_logits", None)
+            if rows is not None:
+                delta.logprobs, delta.top_logprobs = token_logprobs(
+                    rows, start, delta.token_ids, self.k or 0, self.vocab_size)
+            return
         items = list(getattr(seq, "logprobs", None) or [])
         count = len(delta.token_ids)
         if len(items) >= total:  # cumulative
@@ -150,24 +170,64 @@ class StreamTranslator:
         if self.k and all(t is not None for t in tops):
             delta.top_logprobs = tops  # type: ignore[assignment]
 
-    def _prompt_logprobs(self, delta: SequenceOutput, seq: Any) -> None:
+    def _prompt_logprobs(self, delta: SequenceOutput, context_logits: Any) -> None:
         self.prompt_sent = True
-        items = list(getattr(seq, "prompt_logprobs", None) or [])
-        prompt = self.request.prompt_token_ids
-        if not items:
+        if context_logits is None:
             return
-        if len(items) == len(prompt) - 1:  # no entry for the first token
-            items = [None, *items]
-        k = self.request.sampling.prompt_logprobs or 0
-        tops: list[list[tuple[int, float]] | None] = []
-        values: list[float | None] = []
-        for pos, (item, tok) in enumerate(zip(items, prompt, strict=False)):
-            if pos == 0 or item is None:
-                tops.append(None)
-                values.append(None)
-                continue
-            value, top = split_logprob(item, tok, k)
-            tops.append(top)
-            values.append(value)
-        delta.prompt_logprobs = tops
+        values, tops = prompt_logprobs(context_logits, self.request.prompt_token_ids,
+                                       self.request.sampling.prompt_logprobs or 0, self.vocab_size)
         delta.prompt_token_logprobs = values
+        delta.prompt_logprobs = tops
+
+
+def prompt_logprobs(context_logits: Any, prompt: Sequence[int], k: int, vocab_size: int = 0
+                    ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    """Each prompt token's logprob (and the top ``k``) from the row before it; None for the first.
+
+    ``context_logits`` is ``[prompt_len, vocab_padded]`` (a beam axis of 1 is dropped); columns past
+    the model's ``vocab_size`` are padding and left out of the softmax.
+    """
+    import torch
+
+    rows = torch.as_tensor(context_logits)
+    if rows.dim() == 3:
+        rows = rows[:, 0] if rows.shape[1] == 1 else rows[0]
+    if 0 < vocab_size < rows.shape[-1]:
+        rows = rows[:, :vocab_size]
+    n = min(len(prompt), rows.shape[0] + 1) - 1
+    values: list[float | None] = [None]
+    tops: list[list[tuple[int, float]] | None] = [None]
+    if n <= 0:
+        return values, tops
+    logprobs = torch.log_softmax(rows[:n].float(), dim=-1)
+    targets = torch.tensor(list(prompt[1:n + 1]), dtype=torch.long, device=logprobs.device)
+    values += logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).clamp_min(LOGPROB_FLOOR).tolist()
+    if k:
+        top_v, top_i = logprobs.topk(k, dim=-1)
+        tops += [list(zip(i, v, strict=True)) for i, v in zip(top_i.tolist(),
+                                                              top_v.clamp_min(LOGPROB_FLOOR).tolist(), strict=True)]
+    else:
+        tops += [[] for _ in range(n)]
+    return values, tops
+
+
+def token_logprobs(generation_logits: Any, start: int, tokens: Sequence[int], k: int, vocab_size: int = 0
+                   ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Each generated token's logprob and the top ``k``, from ``generation_logits`` rows ``start``….
+
+    ``generation_logits`` is ``[length, vocab_padded]`` (a leading beam axis of 1 is dropped).
+    """
+    import torch
+
+    rows = torch.as_tensor(generation_logits)
+    if rows.dim() == 3:
+        rows = rows[0]
+    if 0 < vocab_size < rows.shape[-1]:
+        rows = rows[:, :vocab_size]
+    logprobs = torch.log_softmax(rows[start:start + len(tokens)].float(), dim=-1)
+    targets = torch.tensor(list(tokens), dtype=torch.long, device=logprobs.device)
+    values = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).clamp_min(LOGPROB_FLOOR).tolist()
+    top_v, top_i = logprobs.topk(k, dim=-1)
+    tops = [list(zip(i, v, strict=True)) for i, v in zip(top_i.tolist(),
+                                                         top_v.clamp_min(LOGPROB_FLOOR).tolist(), strict=True)]
+    return values, tops

@@ -1,43 +1,45 @@
-"""TensorRT-LLM engine: a thin adapter over TRT-LLM's LLM API, one code path per API generation.
+"""``TrtllmEngine``: the ``Engine`` over TensorRT-LLM's LLM API.
 
-``tensorrt_llm`` is imported when a ``TrtllmEngine`` is constructed, never at package import.
 The generation (1.x prebuilt engine, 1.x PyTorch backend, 0.12–0.21, v0.12.0-jetson) is probed at
-run time (``trtllm_version``); what each request field becomes is the table in
-``trtllm_mapping`` (also rendered into ``docs/deploy.md``). The executor already does in-flight
-batching, paged KV cache and CUDA graphs; this file only translates requests and streams.
+run time (``version``); what each request field becomes is the table in ``mapping`` (also rendered
+into ``docs/deploy.md``). The executor already does in-flight batching, paged KV cache and CUDA
+graphs; this module only translates requests and streams.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
-import importlib.metadata
 import importlib.util
 import json
 import os
 import pickle
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from trtserver.engine.base import Capabilities, EngineInfo, EngineStats, GenerationRequest, SequenceOutput
-from trtserver.engine.trtllm_mapping import needs_logits_processor, refusals
-from trtserver.engine.trtllm_request import generate_kwargs, guided_kwargs, llm_kwargs, prepare
-from trtserver.engine.trtllm_stream import StreamTranslator
-from trtserver.engine.trtllm_version import (
+from trtserver.engine.trtllm.mapping import needs_logits_processor, refusals
+from trtserver.engine.trtllm.request import generate_kwargs, guided_kwargs, llm_kwargs, prepare
+from trtserver.engine.trtllm.stream import StreamTranslator
+from trtserver.engine.trtllm.version import (
     ApiFeatures,
     BuildFacts,
-    Generation,
+    class_fields,
     detect,
     guided_params_class,
     llm_class,
     lora_request_class,
-    parse_release,
+    request_error_class,
     sampling_params_class,
 )
-from trtserver.errors import EngineError, InvalidRequest, Unsupported
-from trtserver.manifest import Manifest, ManifestError, load_manifest
+from trtserver.errors import APIError, EngineError, InvalidRequest, Overloaded, Unsupported
+from trtserver.manifest import Manifest, load_manifest
 from trtserver.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -45,54 +47,16 @@ if TYPE_CHECKING:
 
     from trtserver.config import ServerConfig
 
-__all__ = ["TrtllmEngine", "trtllm_unavailable_reason", "installed_trtllm_version"]
+__all__ = ["TrtllmEngine"]
 
+log = structlog.get_logger("trtserver.engine")
+
+# the executor's own words for a full queue or cache (executorImpl.cpp: "... please try again later")
+_BUSY = re.compile(r"try again later|queue size|queue is full|cache is full|no free", re.IGNORECASE)
 _ABORT = object()
+_MAX_LORAS = 8  # adapters resident on the GPU
+_MAX_CPU_LORAS = 16  # adapters cached in host memory
 _DONE = object()
-
-
-def installed_trtllm_version() -> str | None:
-    """The installed distribution's version, read from metadata without importing it."""
-    for dist in ("tensorrt_llm", "tensorrt-llm"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def trtllm_unavailable_reason(config: ServerConfig, *, allow_hf_checkpoint: bool = False) -> str | None:
-    """Why ``--engine auto`` must not pick TensorRT-LLM for ``config``; None when it can.
-
-    Never imports ``tensorrt_llm``; imports torch only to ask for CUDA. ``allow_hf_checkpoint``
-    accepts an engine directory without a TensorRT engine (TRT-LLM 1.x's PyTorch backend), which
-    ``--engine trtllm`` may do but ``auto`` should not.
-    """
-    if importlib.util.find_spec("tensorrt_llm") is None:
-        return "TensorRT-LLM is not installed"
-    if importlib.util.find_spec("torch") is None:
-        return "PyTorch (which TensorRT-LLM needs) is not importable"
-    import torch
-
-    if not torch.cuda.is_available():
-        return "no CUDA device is visible"
-    try:
-        manifest = load_manifest(config.engine_dir)
-    except ManifestError as exc:
-        return str(exc)
-    installed = installed_trtllm_version()
-    if manifest.trtllm is None:
-        if allow_hf_checkpoint and installed is not None and parse_release(installed) >= (1, 0, 0):
-            return None
-        return (f"{config.engine_dir} holds no TensorRT-LLM engine (manifest has no trtllm entry); "
-                "run `make engines` on a machine with TensorRT-LLM")
-    engine = Path(config.engine_dir) / manifest.trtllm.engine_dir
-    if not (engine / "config.json").is_file():
-        return f"{engine}/config.json is missing: the TensorRT-LLM engine directory is incomplete"
-    if installed is not None and installed != manifest.trtllm.version:
-        return (f"the engine was built with TensorRT-LLM {manifest.trtllm.version} but {installed} is "
-                "installed; engines only load in the version that built them: rebuild with `make engines`")
-    return None
 
 
 @dataclass(slots=True)
@@ -104,6 +68,21 @@ class _Active:
     pump: asyncio.Task[None] | None = None
     cancelled: set[int] = field(default_factory=set)
     aborted: bool = False
+
+
+def _hf_vocab_size(model_dir: Path) -> int:
+    """``vocab_size`` of the model's HF ``config.json`` (what the PyTorch backend loads)."""
+    try:
+        return int(json.loads((model_dir / "config.json").read_text()).get("vocab_size") or 0)
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+def _shutdown_when_built(building: asyncio.Future[Any]) -> None:
+    if not building.cancelled() and building.exception() is None:
+        llm = building.result()
+        if hasattr(llm, "shutdown"):
+            llm.shutdown()
 
 
 class TrtllmEngine:
@@ -121,21 +100,35 @@ class TrtllmEngine:
         if self.manifest.trtllm is not None:
             self.trt_engine_dir = self.engine_path / self.manifest.trtllm.engine_dir
             build = BuildFacts.from_config(json.loads((self.trt_engine_dir / "config.json").read_text()))
+        # the model's vocabulary (the logits' width without padding); 0 when unknown
+        self.model_vocab_size = build.vocab_size or _hf_vocab_size(self.engine_path)
+        self.build = build
         self.tp = int(getattr(config, "tensor_parallel_size", 1) or 1)
         self.pp = int(getattr(config, "pipeline_parallel_size", 1) or 1)
-        self.trtllm: ModuleType = importlib.import_module("tensorrt_llm")
-        features = detect(self.trtllm, has_engine=self.trt_engine_dir is not None, build=build)
-        gather = (bool(getattr(config, "trtllm_gather_generation_logits", False))
-                  or build.gather_generation_logits)
-        self.features: ApiFeatures = features.with_options(
-            gather_generation_logits=gather and features.generation is not Generation.JETSON,
-            guided_backend=self._guided_backend(features),
-            lora_enabled=config.adapters_dir is not None and features.lora)
         self._llm: Any = None
         self._active: dict[str, _Active] = {}
         self._pumps: set[asyncio.Task[None]] = set()
         self._lora_ids: dict[str, int] = {}
-        self._info = self._make_info()
+
+    @cached_property
+    def trtllm(self) -> ModuleType:
+        """``tensorrt_llm`` (imported in ``start()``'s worker thread, or on first use before it)."""
+        return importlib.import_module("tensorrt_llm")
+
+    @cached_property
+    def features(self) -> ApiFeatures:
+        features = detect(self.trtllm, has_engine=self.trt_engine_dir is not None, build=self.build)
+        gather = (bool(getattr(self.config, "trtllm_gather_generation_logits", False))
+                  or self.build.gather_generation_logits)
+        return features.with_options(
+            gather_generation_logits=gather and features.llm_accepts("gather_generation_logits"),
+            guided_backend=self._guided_backend(features),
+            lora_enabled=self.config.adapters_dir is not None and features.lora,
+            pytorch_beam_width=int(getattr(self.config, "trtllm_max_beam_width", 1) or 1))
+
+    @cached_property
+    def _info(self) -> EngineInfo:
+        return self._make_info()
 
     # --- Engine protocol ---------------------------------------------------------------------
 
@@ -148,18 +141,29 @@ class TrtllmEngine:
         return self._tokenizer
 
     async def start(self) -> None:
-        """Construct TRT-LLM's LLM on the loop thread (it loads the engine; this blocks until ready)."""
+        """Import TensorRT-LLM and build its ``LLM`` (which loads the engine, for minutes) in a worker
+        thread, so the event loop goes on answering ``/health`` with "loading" meanwhile."""
         if self._llm is not None:
             return
+        loop = asyncio.get_running_loop()
+        building = loop.run_in_executor(None, self._build_llm)
+        try:
+            self._llm = await asyncio.shield(building)
+        except asyncio.CancelledError:
+            building.add_done_callback(_shutdown_when_built)  # the server stopped while it loaded
+            raise
+
+    def _build_llm(self) -> Any:
         if self.tp * self.pp == 1:
             # in-process executor worker: our per-request logits processors need not be pickled
             os.environ.setdefault("TLLM_WORKER_USE_SINGLE_PROCESS", "1")
         os.environ.setdefault("TLLM_ALLOW_N_GREEDY_DECODING", "1")  # greedy n>1: serving asked for it
         cls = llm_class(self.trtllm, self.features.generation)
+        self._info  # noqa: B018 - probed here, off the event loop
         model = str(self.trt_engine_dir or self.engine_path)
         kwargs = llm_kwargs(self.features, tokenizer_dir=str(self.tokenizer_dir), tp=self.tp, pp=self.pp,
                             lora=self._lora_llm_kwargs())
-        self._llm = cls(model=model, **kwargs)
+        return cls(model=model, **kwargs)
 
     async def shutdown(self) -> None:
         for request_id in list(self._active):
@@ -199,13 +203,20 @@ class TrtllmEngine:
     # --- internals ---------------------------------------------------------------------------
 
     def _guided_backend(self, f: ApiFeatures) -> str | None:
+        """The guided-decoding backend to start TRT-LLM with; None: our guides run in a logits processor."""
         wanted = getattr(self.config, "trtllm_guided_decoding_backend", "xgrammar")
         if not wanted or not f.has_guided_params:
             return None
-        if wanted == "xgrammar" and importlib.util.find_spec("xgrammar") is None:
+        # TRT: anything but xgrammar raises at LLM(); PyTorch: a Literal["xgrammar", "llguidance"] field
+        accepted = ("xgrammar",) if f.trt_backend else ("xgrammar", "llguidance")
+        if wanted not in accepted:
+            log.warning("trtllm_guided_backend_not_passed", backend=wanted, accepted=accepted,
+                        reason=f"TensorRT-LLM's {'TensorRT' if f.trt_backend else 'PyTorch'} backend "
+                               "accepts only these")
             return None
-        if wanted != "xgrammar" and f.trt_backend:
-            return None  # the TRT backend accepts only xgrammar (anything else raises at LLM())
+        if importlib.util.find_spec(wanted) is None:
+            log.warning("trtllm_guided_backend_not_passed", backend=wanted, reason="it is not importable")
+            return None
         return str(wanted)
 
     def _make_info(self) -> EngineInfo:
@@ -214,16 +225,17 @@ class TrtllmEngine:
         context = self.manifest.context_length
         if f.build.max_seq_len:
             context = min(context, f.build.max_seq_len)
-        vocab = max(self._tokenizer.vocab_size, f.build.vocab_size)
-        beam = f.trt_backend and f.build.max_beam_width > 1 and (
+        vocab = self.model_vocab_size or self._tokenizer.vocab_size
+        beam = f.max_beam_width > 1 and (
             "use_beam_search" in f.sampling_fields or "beam_width" in f.sampling_fields)
         if f.trt_backend:
-            max_logprobs = self.config.max_logprobs if f.gather_generation_logits else 0
+            gathered = f.gather_generation_logits or f.logits_logprobs
+            max_logprobs = self.config.max_logprobs if gathered else 0
         else:
-            max_logprobs = self.config.max_logprobs if f.release >= (1, 1, 0) else 1
-        prompt_lp = f.build.gather_context_logits if f.trt_backend else f.release >= (1, 1, 0)
+            max_logprobs = self.config.max_logprobs if f.release >= (1, 1, 0) else 0
+        prompt_lp = f.build.gather_context_logits or not f.trt_backend
         caps = Capabilities(
-            prompt_logprobs="prompt_logprobs" in f.sampling_fields and prompt_lp,
+            prompt_logprobs="return_context_logits" in f.sampling_fields and prompt_lp,
             beam_search=beam,
             logits_processors=f.dynamic_logits_processor,
             guided_decoding=f.dynamic_logits_processor or f.guided_backend is not None,
@@ -251,19 +263,35 @@ class TrtllmEngine:
         return path
 
     def _lora_llm_kwargs(self) -> dict[str, Any] | None:
+        """LoRA keywords for ``LLM()``: a ``lora_config`` where the args have one (1.x), else the flat
+        ``enable_lora`` / ``max_lora_rank`` / ``max_loras`` / ``max_cpu_loras`` (0.14–0.18)."""
         f = self.features
         if not f.lora_enabled or (f.trt_backend and not f.build.lora_plugin):
             return None
+        rank = int(getattr(self.config, "max_lora_rank", 64))
+        if not f.llm_accepts("lora_config"):
+            flat = {"enable_lora": True, "max_lora_rank": rank, "max_loras": _MAX_LORAS,
+                    "max_cpu_loras": _MAX_CPU_LORAS}
+            return {k: v for k, v in flat.items() if f.llm_accepts(k) or f.llm_args is None}
+        out: dict[str, Any] = {"enable_lora": True} if f.trt_backend and f.llm_accepts("enable_lora") else {}
+        if f.trt_backend and not f.build.lora_target_modules:
+            return out  # the engine's own lora_config then sizes the adapter cache
         try:
             lora_config_cls = importlib.import_module(f"{self.trtllm.__name__}.lora_manager").LoraConfig
         except (ImportError, AttributeError):
-            return None
+            return out
         adapters = sorted(str(p) for p in Path(str(self.config.adapters_dir)).iterdir() if p.is_dir())
-        rank = int(getattr(self.config, "max_lora_rank", 64))
-        lora_config = lora_config_cls(lora_dir=adapters, max_lora_rank=rank, max_loras=8, max_cpu_loras=16)
+        wanted: dict[str, Any] = {"lora_dir": adapters, "max_lora_rank": rank, "max_loras": _MAX_LORAS,
+                                  "max_cpu_loras": _MAX_CPU_LORAS}
         if f.trt_backend:
-            return {"enable_lora": True, "lora_config": lora_config}
-        return {"lora_config": lora_config}
+            # ours overrides the engine's: keep the modules it was built for, or the cache is sized 0
+            wanted.update(lora_target_modules=list(f.build.lora_target_modules),
+                          trtllm_modules_to_hf_modules=dict(f.build.lora_modules_to_hf))
+            if f.build.max_lora_rank:
+                wanted["max_lora_rank"] = f.build.max_lora_rank
+        known = class_fields(lora_config_cls)
+        out["lora_config"] = lora_config_cls(**{k: v for k, v in wanted.items() if k in known})
+        return out
 
     def _sampling_params(self, request: GenerationRequest) -> tuple[Any, Any]:
         f = self.features
@@ -279,7 +307,7 @@ class TrtllmEngine:
         if prep.embedding_bias is not None or prep.allowed_only is not None:
             kw["embedding_bias"] = self._embedding_bias(prep.embedding_bias or [], prep.allowed_only)
         if needs_logits_processor(request, f):
-            from trtserver.engine.trtllm_logits import TrtllmLogitsProcessor
+            from trtserver.engine.trtllm.logits import TrtllmLogitsProcessor
 
             in_bias = "embedding_bias" in kw
             processor = TrtllmLogitsProcessor(
@@ -305,6 +333,7 @@ class TrtllmEngine:
     def _embedding_bias(self, pairs: list[tuple[int, float]], allowed: tuple[int, ...] | None) -> Any:
         import torch
 
+        # TRT-LLM checks the length against the model's vocab_size (not the tokenizer's)
         bias = torch.zeros(self._info.vocab_size, dtype=torch.float32)
         if allowed is not None:
             bias.fill_(float("-inf"))
@@ -336,7 +365,8 @@ class TrtllmEngine:
             extra["lora_request"] = self._lora_request(request.adapter)
         translator = StreamTranslator(request, eos_ids=self._tokenizer.eos_token_ids,
                                       our_stop_ids=prep.our_stop_ids, max_tokens=prep.max_tokens,
-                                      has_finish_reason=self.features.finish_reason)
+                                      has_finish_reason=self.features.finish_reason,
+                                      vocab_size=self.model_vocab_size, logits_logprobs=prep.logits_logprobs)
         active = _Active(request=request, queue=asyncio.Queue(), abortable=prep.abortable)
         try:
             output = self._llm.generate_async(list(request.prompt_token_ids), sampling_params=params,
@@ -344,7 +374,7 @@ class TrtllmEngine:
         except (ValueError, TypeError) as exc:  # TRT-LLM's own per-request checks (_check_arguments)
             raise InvalidRequest(str(exc)) from exc
         except RuntimeError as exc:
-            raise EngineError(f"TensorRT-LLM refused the request: {exc}") from exc
+            raise self._refused(exc) from exc
         active.output = output
         active.pump = asyncio.get_running_loop().create_task(self._pump(output, active.queue, prep.streaming))
         self._pumps.add(active.pump)
@@ -367,8 +397,8 @@ class TrtllmEngine:
                         continue
                     yield delta
         finally:
-            if not translator.finished:
-                self._cancel(active)
+            if not translator.finished or not getattr(active.output, "finished", True):
+                self._cancel(active)  # the client left, or we ended it (our stop ids) before TRT-LLM did
             self._active.pop(request.request_id, None)
 
     @staticmethod
@@ -383,6 +413,19 @@ class TrtllmEngine:
         except Exception as exc:  # noqa: BLE001 - handed to the reader
             queue.put_nowait(exc)
         queue.put_nowait(_DONE)
+
+    def _refused(self, exc: RuntimeError) -> APIError:
+        """An error from ``generate_async``: the executor's ``RequestError`` is about this request
+        (a 400), or about its capacity (a 503); anything else is the engine failing."""
+        text = str(exc)
+        if self._llm is None or "shutting down" in text:
+            return Overloaded("the TensorRT-LLM engine is shutting down")
+        request_error = request_error_class(self.trtllm)
+        if request_error is not None and isinstance(exc, request_error):
+            if _BUSY.search(text):
+                return Overloaded(f"TensorRT-LLM cannot take more requests now: {text}")
+            return InvalidRequest(f"TensorRT-LLM refused the request: {text}")
+        return EngineError(f"TensorRT-LLM failed to take the request: {text}")
 
     def _cancel(self, active: _Active) -> None:
         """Stop the request in TRT-LLM where the version can; otherwise it runs on to max_tokens."""

@@ -2,9 +2,9 @@
 
 TRT-LLM (0.19+) calls ``processor(req_id, logits, token_ids, stream_ptr, client_id)`` once per step:
 ``logits`` is 3-D (``[beam, 1, vocab_padded]`` as far as the examples show), ``token_ids`` is
-beam × tokens so far (whether the prompt is included is unverified, so the length seen on the first
-call is taken as the start of generation), and on the TensorRT backend the work must be enqueued
-on ``torch.cuda.ExternalStream(stream_ptr)``. The object crosses a pickle boundary when the
+beam × tokens so far, prompt included (the PyTorch backend passes each beam's whole token list), so
+the length seen on the first call is taken as the start of generation; on the TensorRT backend the
+work must be enqueued on ``torch.cuda.ExternalStream(stream_ptr)``. The object crosses a pickle boundary when the
 executor worker is another process, so it is a module-level class holding picklable inputs and
 building its per-sequence state lazily on the first call. torch is imported only when called.
 """

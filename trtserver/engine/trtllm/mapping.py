@@ -1,6 +1,7 @@
 """THE mapping table: every request field -> what TensorRT-LLM does with it, per API generation.
 
-Each row names a wire field of ``/v1/completions`` and, for each generation, whether it is passed
+Each row names a wire field of ``/v1/completions`` (chat's fields map onto them: ``CHAT_FIELDS``) and,
+for each generation, whether it is passed
 to TensorRT-LLM natively, done by our serving layer ("ours": stop strings, detokenization, echo,
 FIM prompt building…), refused with a 400, or conditional on how the engine was built/started.
 ``refusals()`` evaluates the same rows against a concrete request and the probed ``ApiFeatures``;
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trtserver.engine.base import GenerationRequest, Priority
-from trtserver.engine.trtllm_version import ApiFeatures, Generation
+from trtserver.engine.trtllm.version import ApiFeatures, Generation
 
 if TYPE_CHECKING:
     from trtserver.guided import GuideSpec
@@ -121,13 +122,7 @@ def logprobs_without_streaming_abort(f: ApiFeatures) -> bool:
 
 def _check_min_p(r: GenerationRequest, f: ApiFeatures) -> str | None:
     if r.sampling.min_p and "min_p" not in f.sampling_fields:
-        return f"TensorRT-LLM {f.version} has no min_p sampling"
-    return None
-
-
-def _check_ignore_eos(r: GenerationRequest, f: ApiFeatures) -> str | None:
-    if r.sampling.ignore_eos and "ignore_eos" not in f.sampling_fields:
-        return f"TensorRT-LLM {f.version} has no ignore_eos (added in 0.15)"
+        return f"TensorRT-LLM {f.version} has no min_p sampling (it is there by 1.0)"
     return None
 
 
@@ -144,9 +139,10 @@ def _check_logprobs(r: GenerationRequest, f: ApiFeatures) -> str | None:
     if k is None:
         return None
     if "logprobs" not in f.sampling_fields:
-        if k > 0:
-            return (f"TensorRT-LLM {f.version} returns only the sampled token's logprob; "
-                    "top alternatives (logprobs > 0) are not available")
+        if k > 0 and not f.logits_logprobs:
+            return (f"top alternatives (logprobs > 0) on TensorRT-LLM {f.version} are computed from generation "
+                    "logits: they need an engine built with gather_generation_logits "
+                    "(trtllm-build --gather_generation_logits)")
         if "return_log_probs" not in f.sampling_fields:
             return f"TensorRT-LLM {f.version} cannot return logprobs"
         return None
@@ -155,21 +151,20 @@ def _check_logprobs(r: GenerationRequest, f: ApiFeatures) -> str | None:
             return ("top logprobs on a TensorRT engine need gather_generation_logits at start (server option "
                     "trtllm_gather_generation_logits)" + ("; only logprobs=0 is available" if k > 0 and
                                                           "_return_log_probs" in f.sampling_fields else ""))
-    if f.generation is Generation.V1_PYTORCH and k > 1 and f.release < (1, 1, 0):
-        return f"TensorRT-LLM {f.version}'s PyTorch backend returns only the top-1 logprob"
+    if f.generation is Generation.V1_PYTORCH and k > 0 and f.release < (1, 1, 0):
+        return (f"TensorRT-LLM {f.version}'s PyTorch backend returns only the sampled token's logprob "
+                "(logprobs=0), no top alternatives")
     return None
 
 
 def _check_prompt_logprobs(r: GenerationRequest, f: ApiFeatures) -> str | None:
     if r.sampling.prompt_logprobs is None:
         return None
-    if "prompt_logprobs" not in f.sampling_fields:
-        return f"TensorRT-LLM {f.version} has no prompt logprobs (added in 0.20)"
+    if "return_context_logits" not in f.sampling_fields:
+        return f"TensorRT-LLM {f.version} cannot return context logits, from which prompt logprobs are computed"
     if f.trt_backend and not f.build.gather_context_logits:
         return ("prompt logprobs (echo with logprobs, loglikelihood) need an engine built with "
                 "gather_context_logits; rebuild with `trtserver build --trtllm-gather-context-logits`")
-    if not f.trt_backend and f.release < (1, 1, 0):
-        return f"TensorRT-LLM {f.version}'s PyTorch backend has no prompt logprobs (added in 1.1)"
     return None
 
 
@@ -182,13 +177,14 @@ def _check_n(r: GenerationRequest, f: ApiFeatures) -> str | None:
 def _check_beam(r: GenerationRequest, f: ApiFeatures) -> str | None:
     if not _is_beam(r):
         return None
-    if not f.trt_backend:
-        return ("beam search on TensorRT-LLM's PyTorch backend needs a dedicated executor configuration; "
-                "serve a prebuilt TensorRT engine or use --engine torch")
     if "use_beam_search" not in f.sampling_fields and "beam_width" not in f.sampling_fields:
         return f"TensorRT-LLM {f.version} has no beam search in its LLM API"
-    if r.n > f.build.max_beam_width:
-        return f"the engine was built with max_beam_width={f.build.max_beam_width}; asked for {r.n} beams"
+    if not f.trt_backend and f.max_beam_width < 2:
+        return ("beam search on TensorRT-LLM's PyTorch backend needs the LLM started for it: "
+                "server option trtllm_max_beam_width ≥ n")
+    if r.n > f.max_beam_width:
+        started = "built" if f.trt_backend else "started"
+        return f"the engine was {started} with max_beam_width={f.max_beam_width}; asked for {r.n} beams"
     return None
 
 
@@ -202,7 +198,7 @@ def _check_adapter(r: GenerationRequest, f: ApiFeatures) -> str | None:
     if r.adapter is None:
         return None
     if not f.lora:
-        return f"TensorRT-LLM {f.version} has no LoRA in its LLM API (came in 0.13)"
+        return f"TensorRT-LLM {f.version} has no LoRA in its LLM API (lora_request came in 0.14)"
     if f.trt_backend and not f.build.lora_plugin:
         return "the TensorRT engine was not built with the LoRA plugin (trtllm-build --lora_plugin)"
     if not f.lora_enabled:
@@ -236,6 +232,7 @@ def _check_processors(r: GenerationRequest, f: ApiFeatures) -> str | None:
 # --- the table -------------------------------------------------------------------------------------
 
 _ALL_OURS = (O(), O(), O(), O())
+_IGNORE_EOS_STOPS = "stop_token_ids still stop (ours too: main sends no stop words with it)"
 
 RULES: tuple[Rule, ...] = (
     Rule("prompt", (N("token ids as prompt_token_ids"),) * 4),
@@ -243,12 +240,14 @@ RULES: tuple[Rule, ...] = (
                         N("max_tokens, always set"), N("max_tokens, always set"),
                         N("max_tokens (or max_new_tokens), always set"))),
     Rule("temperature / top_p / top_k", (N("greedy (temperature 0) → top_k=1"),) * 4),
-    Rule("min_p", (N(), N(), C("where SamplingParams has min_p (≈0.17+)"), R("no min_p")), _check_min_p),
+    Rule("min_p", (N(), N(), C("where SamplingParams has min_p (none in 0.12–0.18; there by 1.0)"),
+                   R("no min_p")), _check_min_p),
     Rule("seed", (N("always set: a fresh random seed when unset (TRT-LLM's default seed is 0)"),) * 3
          + (N("seed (or random_seed), always set"),)),
     Rule("frequency_penalty / presence_penalty / repetition_penalty", (N(),) * 4),
     Rule("min_tokens", (N(), N(), N(), N("min_tokens (or min_length)"))),
-    Rule("ignore_eos", (N(), N(), C("0.15+"), R("no ignore_eos")), _check_ignore_eos),
+    Rule("ignore_eos", (N(_IGNORE_EOS_STOPS), N(_IGNORE_EOS_STOPS),
+                        N("0.15+; before: end_id=-1 (unverified in C++)"), N("end_id=-1 (unverified in C++)"))),
     Rule("stop_token_ids", (N("plus extra EOS ids"),) * 3
          + (N("stop_token_ids where the wheel has it, else ours: we stop reading (the GPU runs on)"),)),
     Rule("logit_bias / allowed_token_ids", (N("embedding_bias ([vocab] fp32; allowed ids: -inf elsewhere)"),)
@@ -256,24 +255,30 @@ RULES: tuple[Rule, ...] = (
          + (C("embedding_bias where the wheel has it, else refused"),), _check_bias),
     Rule("logprobs", (C("0: sampled-token logprob (_return_log_probs); "
                         "≥1 needs trtllm_gather_generation_logits"),
-                      N("1.0: top-1 only; 1.1+: top-k"),
-                      C("0: return_log_probs; ≥1 needs gather_generation_logits"),
-                      C("0 only (return_log_probs)")), _check_logprobs),
+                      N("1.0: 0 only (the sampled token's logprob); 1.1+: top-k"),
+                      C("0.20+: as 1.x; before: 0 is return_log_probs, ≥1 is computed by us from "
+                        "generation_logits of an engine built with gather_generation_logits"),
+                      C("0 is return_log_probs; ≥1 is computed by us from generation_logits of an engine "
+                        "built with gather_generation_logits")), _check_logprobs),
     Rule("prompt_logprobs / echo+logprobs / loglikelihood",
-         (C("engine built with gather_context_logits"), N("1.1+"),
-          C("0.20+ and engine built with gather_context_logits"), R("no prompt logprobs")),
+         (C("return_context_logits, scored by us; engine built with gather_context_logits"),
+          N("return_context_logits, scored by us"),
+          C("return_context_logits, scored by us; engine built with gather_context_logits"),
+          C("return_context_logits, scored by us; engine built with gather_context_logits")),
          _check_prompt_logprobs),
     Rule("n / best_of", (N("n=best_of=sequences; ranking is ours"), N("n=best_of"), C("0.15+"),
                          R("no n/best_of on the Jetson branch")), _check_n),
     Rule("use_beam_search / length_penalty / early_stopping",
-         (C("engine max_beam_width ≥ n"), R("needs a dedicated PyTorch executor setup"),
+         (C("engine max_beam_width ≥ n"),
+          C("LLM started with max_beam_width ≥ n (server option trtllm_max_beam_width; 1.0: with the "
+            "TRT-LLM sampler, no overlap scheduler, no CUDA graphs)"),
           C("engine max_beam_width ≥ n"), C("beam_width; engine max_beam_width ≥ n")), _check_beam),
     Rule("priority / service_tier", (C("generate_async(priority=) from 1.4; else refused"),
                                      C("generate_async(priority=) from 1.4; else refused"),
                                      R("no priority before 1.4"), R("no priority before 1.4")),
          _check_priority),
     Rule("peft", (C("LoRARequest from adapters_dir; engine built with --lora_plugin"),
-                  C("LoRARequest from adapters_dir"), C("0.13+; engine built with --lora_plugin"),
+                  C("LoRARequest from adapters_dir"), C("0.14+; engine built with --lora_plugin"),
                   R("no LoRA in the LLM class")), _check_adapter),
     Rule("guided_json / guided_regex / guided_choice / guided_grammar / guided_whitespace_pattern / "
          "guided_decoding_backend / structured_outputs / response_format",
@@ -295,6 +300,18 @@ RULES: tuple[Rule, ...] = (
     Rule("bad_words", _ALL_OURS),
     Rule("model / user / request_id / log_prompt / extra_body", _ALL_OURS),
     Rule("return_tokens_as_token_ids / return_token_ids", _ALL_OURS),
+)
+
+# /v1/chat/completions: the template is rendered by trtserver, so TensorRT-LLM gets token ids exactly as for
+# /v1/completions; chat's own fields become these completions fields, and then follow their rows above
+CHAT_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("messages (+ tools, documents, chat_template_kwargs)", "prompt",
+     "rendered with the model's chat template by trtserver; TensorRT-LLM sees prompt token ids"),
+    ("max_completion_tokens / max_tokens", "max_tokens", ""),
+    ("logprobs + top_logprobs", "logprobs", "logprobs=true with top_logprobs=k is logprobs k (0 without it)"),
+    ("tool_choice / response_format", "guided_json / response_format",
+     "a forced tool call or a JSON response format becomes a guide"),
+    ("stop, seed, n, temperature, top_p, penalties, logit_bias and the vLLM extensions", "the same field", ""),
 )
 
 ABORT_NOTES: dict[Generation, str] = {
@@ -327,10 +344,13 @@ def render_markdown() -> str:
         lines.append(f"| `{rule.field}` | {cells} |")
     notes = " | ".join(ABORT_NOTES[g] for g in GENERATIONS)
     lines.append(f"| abort (client gone, stop string) | {notes} |")
+    lines += ["", "Chat completions (`/v1/chat/completions`) fields map onto the rows above:", "",
+              "| chat field | maps like | note |", "|---|---|---|"]
+    lines += [f"| `{chat}` | `{completions}` | {note} |" for chat, completions, note in CHAT_FIELDS]
     return "\n".join(lines) + "\n"
 
 
-DOC_BEGIN = "<!-- BEGIN trtllm-mapping (generated by trtserver.engine.trtllm_mapping.render_markdown) -->"
+DOC_BEGIN = "<!-- BEGIN trtllm-mapping (generated by trtserver.engine.trtllm.mapping.render_markdown) -->"
 DOC_END = "<!-- END trtllm-mapping -->"
 
 
