@@ -149,10 +149,11 @@ def test_json_schema_shows_valid_json(page: Page, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["completion", "chat"])
-def test_logprobs_view_one_coloured_span_per_token(page: Page, mode: str) -> None:
+def test_logprobs_view_one_coloured_span_per_token(page: Page, base_url: str, mode: str) -> None:
+    prompt = "The capital of France is" if mode == "completion" else "What is the capital of France?"
     page.open()
     page.mode(mode)
-    page.fill("prompt", "The capital of France is" if mode == "completion" else "What is the capital of France?")
+    page.fill("prompt", prompt)
     page.fill("max_tokens", "10")
     page.fill("temperature", "0")
     page.check("logprobs")
@@ -163,10 +164,21 @@ def test_logprobs_view_one_coloured_span_per_token(page: Page, mode: str) -> Non
     spans = page.js("return [...document.querySelectorAll('#output .tok')].map(s => ({text: s.textContent, "
                     "p: Number(s.dataset.p), colour: s.style.backgroundColor, "
                     "alternatives: JSON.parse(s.dataset.alternatives)}))")
-    assert len(spans) == int(page.text("stat-completion")) > 0
+    if mode == "completion":
+        choice = server_answer(base_url, "/v1/completions", {"prompt": prompt, "max_tokens": 10, "temperature": 0,
+                                                             "logprobs": 3})["choices"][0]
+        tokens = list(zip(choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]))
+    else:
+        choice = server_answer(base_url, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": prompt}], "max_tokens": 10, "temperature": 0,
+            "logprobs": True, "top_logprobs": 3})["choices"][0]
+        tokens = [(t["token"], t["logprob"]) for t in choice["logprobs"]["content"]]
+    # one span per token the server reported, in order, each with its probability
+    assert [s["text"] for s in spans] == [token for token, _ in tokens] and spans
     assert "".join(s["text"] for s in spans) == page.answer()
-    for span in spans:
-        assert 0 < span["p"] <= 1 and span["colour"].startswith("rgb")
+    for span, (_, logprob) in zip(spans, tokens):
+        assert math.isclose(span["p"], math.exp(logprob), rel_tol=1e-2, abs_tol=1e-4), span
+        assert span["colour"].startswith("rgb")
         assert 1 <= len(span["alternatives"]) <= 3
         best = max(lp for _, lp in span["alternatives"])
         # temperature 0: the chosen token is the most likely one
