@@ -103,18 +103,21 @@
     return values;
   }
 
-  async function pollMetrics() {
+  async function refreshMetrics() {
     try {
       const response = await fetch("/metrics", { cache: "no-store" });
-      if (response.ok) {
-        const m = parseMetrics(await response.text());
-        const show = (id, value) => { $(id).textContent = value === undefined ? "–" : String(value); };
-        show("metric-queue", m.trtserver_queue_depth);
-        show("metric-running", m.trtserver_running_sequences);
-        const used = m.trtserver_kv_slots_used, total = m.trtserver_kv_slots_total;
-        show("metric-kv", used === undefined ? undefined : `${used}/${total}`);
-      }
+      if (!response.ok) return;
+      const m = parseMetrics(await response.text());
+      const show = (id, value) => { $(id).textContent = value === undefined ? "–" : String(value); };
+      show("metric-queue", m.trtserver_queue_depth);
+      show("metric-running", m.trtserver_running_sequences);
+      const used = m.trtserver_kv_slots_used, total = m.trtserver_kv_slots_total;
+      show("metric-kv", used === undefined ? undefined : `${used}/${total}`);
     } catch (_) { /* the server is restarting: the next poll tells */ }
+  }
+
+  async function pollMetrics() {
+    await refreshMetrics();
     setTimeout(pollMetrics, METRICS_EVERY_MS);
   }
 
@@ -426,6 +429,8 @@
       controller = null;
       $("send").disabled = false;
       $("stop-button").disabled = true;
+      // the server has let go of the request by now (or within a moment when stopped)
+      setTimeout(refreshMetrics, 100);
     }
   }
 
