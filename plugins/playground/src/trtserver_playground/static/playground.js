@@ -403,6 +403,10 @@
           view.add(text, tokens);
           if (choice.finish_reason) view.finish = choice.finish_reason;
         }
+        if (s.first !== null && s.shown === undefined) {
+          s.shown = true;  // the first token's stats at once, then the ticker's
+          showStats(s, false);
+        }
       }
       s.end = performance.now();
       showStats(s, true);
