@@ -50,6 +50,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pipeline_parallel_size: Annotated[int, Meta(ge=1)] = 1
     trtllm_gather_generation_logits: bool = False
     trtllm_guided_decoding_backend: str | None = "xgrammar"
+    trtllm_max_beam_width: Annotated[int, Meta(ge=1)] = 1  # the PyTorch backend's beam search needs it at load
     max_lora_rank: Annotated[int, Meta(ge=1)] = 64
     # API limits (OpenAI's by default; each raisable)
     max_logprobs: Annotated[int, Meta(ge=0)] = 5

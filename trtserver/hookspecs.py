@@ -31,7 +31,12 @@ if TYPE_CHECKING:
     from trtserver.config import ServerConfig
     from trtserver.engine.base import Engine, EngineInfo, GuidedDecoder, LogitsProcessor
     from trtserver.guided import GuideContext, GuideSpec
-    from trtserver.protocol import CompletionRequest, CompletionResponse
+    from trtserver.protocol import (
+        ChatCompletionRequest,
+        ChatCompletionResponse,
+        CompletionRequest,
+        CompletionResponse,
+    )
     from trtserver.quota import QuotaStore
     from trtserver.request_context import RequestContext
     from trtserver.text import StopChecker
@@ -57,15 +62,11 @@ def trtserver_register_engines(register: Callable[[str, Callable[[ServerConfig],
 
     Fires once at start-up, before the engine is built. Registering a name twice stops start-up.
 
-    Two methods are optional on an engine. ``check(request)`` lists ``(param, reason)`` pairs the
-    engine must refuse for a request (the client gets a 400 naming the first). With
-    ``push_to(request_id, sink)``, the server offers the engine a sink once a streaming
-    request's first chunk is out (for one-prompt requests, when no plugin needs the joined
-    response). The engine may then hand a delta straight to the sink, from the event loop, while
-    the request's ``generate`` iterator waits with nothing queued. The sink is a
-    ``trtserver.engine.base.DeltaSink``; a delta it declines (returns False) goes to the iterator
-    as usual. ``push_to`` returns a function that ends the iterator early, or None. The built-in
-    PyTorch engine does this, so a streamed token costs no task switch.
+    Subclass ``trtserver.engine.base.EngineBase`` for the members most engines need not change:
+    ``check(request)`` lists ``(param, reason)`` pairs the engine must refuse for a request (the
+    client gets a 400 naming the first), ``failure`` says why the engine can no longer serve, and
+    ``threads_bound`` whether it pinned its threads. Both APIs reach the engine the same way:
+    a chat request is rendered and tokenized by the server, so an engine sees only token ids.
     """
 
 
@@ -152,11 +153,12 @@ def trtserver_register_tool_parsers(
 
 @hookspec
 def trtserver_request_received(
-    request: CompletionRequest, context: RequestContext
+    request: CompletionRequest | ChatCompletionRequest, context: RequestContext
 ) -> Awaitable[None] | None:
     """Inspect a validated request before any work is done: auth, quotas, audit, prompt logging.
 
-    :param request: the decoded ``CompletionRequest`` (read it; do not mutate it).
+    :param request: the decoded ``CompletionRequest`` or ``ChatCompletionRequest`` (read it; do
+        not mutate it). The fields both APIs take are on ``trtserver.protocol.GenerationFields``.
     :param context: the request's id, headers, query, client ``user``, and the app config.
     :returns: None, or an awaitable that is awaited. To reject the request, raise a
         ``trtserver.errors.APIError`` subclass (``InvalidRequest`` -> 400, ``PermissionDenied``
@@ -190,7 +192,7 @@ def trtserver_guided_decoder(spec: GuideSpec, backend: str, context: GuideContex
 
 @hookspec
 def trtserver_logits_processors(
-    request: CompletionRequest, context: RequestContext, tokenizer: Tokenizer
+    request: CompletionRequest | ChatCompletionRequest, context: RequestContext, tokenizer: Tokenizer
 ) -> list[Callable[[], LogitsProcessor]] | None:
     """Per-sequence logits processors for a request.
 
@@ -209,7 +211,7 @@ def trtserver_logits_processors(
 
 @hookspec
 def trtserver_stop_checkers(
-    request: CompletionRequest, context: RequestContext
+    request: CompletionRequest | ChatCompletionRequest, context: RequestContext
 ) -> list[Callable[[], StopChecker]] | None:
     """Custom stop conditions on generated text, beyond ``stop`` strings and ``stop_token_ids``.
 
@@ -228,13 +230,16 @@ def trtserver_stop_checkers(
 
 @hookspec
 def trtserver_response_ready(
-    request: CompletionRequest, response: CompletionResponse, context: RequestContext
+    request: CompletionRequest | ChatCompletionRequest,
+    response: CompletionResponse | ChatCompletionResponse,
+    context: RequestContext,
 ) -> Awaitable[None] | None:
     """See a finished response: accounting, audit, logging.
 
     :param request: the decoded request.
     :param response: the complete response; for a streamed request, the chunks collected into
-        one ``CompletionResponse`` (same text, usage and finish reasons as were streamed).
+        one ``CompletionResponse`` or ``ChatCompletionResponse`` (same text, usage and finish
+        reasons as were streamed).
     :param context: the request context.
     :returns: None, or an awaitable that is awaited. Exceptions are logged and do not reach
         the client (the response has been sent already for streams).

@@ -12,6 +12,7 @@ import structlog
 from aiohttp import web
 
 from trtserver.config import ServerConfig
+from trtserver.engine.base import Engine
 from trtserver.server import STATE
 
 log = structlog.get_logger("trtserver")
@@ -47,8 +48,8 @@ def pin_event_loop(loop: asyncio.AbstractEventLoop) -> None:
     log.info("event_loop_pinned", cpu=max(cpus))
 
 
-def _pin_if_bound(engine: object) -> None:
-    if getattr(engine, "threads_bound", False):
+def _pin_if_bound(engine: Engine) -> None:
+    if engine.threads_bound:
         pin_event_loop(asyncio.get_running_loop())
 
 

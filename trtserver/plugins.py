@@ -13,13 +13,17 @@ import importlib.util
 import inspect
 import os
 import sys
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import cloudpickle
 import pluggy
+import structlog
 
 from trtserver import hookspecs
 
@@ -27,8 +31,8 @@ ENTRY_POINT_GROUP = "trtserver"
 ALLOWLIST_ENV = "TRTSERVER_LOAD_PLUGINS"
 
 # modules inside trtserver itself that implement hooks (the engines every server has, default plugins)
-CORE_PLUGINS: tuple[str, ...] = ("trtserver.engine.registry", "trtserver.quota",
-                                 "trtserver.builtins.hermes_tool_parser")
+CORE_PLUGINS: tuple[str, ...] = ("trtserver.builtins.engines", "trtserver.quota",
+                                 "trtserver.builtins.hermes_tool_parser", "trtserver.builtins.bad_words")
 
 
 class PluginLoadError(RuntimeError):
@@ -45,10 +49,34 @@ class PluginInfo:
     source: str  # core | entry point | --plugin
 
 
+TRACE_ENV = "TRTSERVER_TRACE_PLUGINS"
+
+
 def new_plugin_manager() -> pluggy.PluginManager:
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
+    if os.environ.get(TRACE_ENV) == "1":
+        trace_hook_calls(pm)
     return pm
+
+
+def trace_hook_calls(pm: pluggy.PluginManager) -> None:
+    """Log every hook call: which plugins answered, how long it took, whether it raised."""
+    log = structlog.get_logger("trtserver.plugins")
+    started = threading.local()  # hooks also run in worker threads (guided compiles)
+
+    def before(hook_name: str, impls: Sequence[pluggy.HookImpl], kwargs: Mapping[str, Any]) -> None:
+        stack = getattr(started, "stack", None) or []
+        stack.append(time.perf_counter())
+        started.stack = stack
+
+    def after(outcome: pluggy.Result[Any], hook_name: str, impls: Sequence[pluggy.HookImpl],
+              kwargs: Mapping[str, Any]) -> None:
+        elapsed = time.perf_counter() - started.stack.pop()
+        log.info("hook_called", hook=hook_name, plugins=[impl.plugin_name for impl in impls],
+                 ms=round(elapsed * 1000, 3), raised=type(outcome.exception).__name__ if outcome.exception else None)
+
+    pm.add_hookcall_monitoring(before, after)
 
 
 def allowlist_from_env() -> list[str] | None:

@@ -329,7 +329,7 @@ async def health(request: web.Request) -> web.Response:
         return json_response({"status": "error", "error": state.load_error}, status=503)
     if state.draining:
         return json_response({"status": "draining"}, status=503)
-    failure = getattr(state.engine, "failure", None)
+    failure = state.engine.failure if state.engine is not None else None
     if failure is not None:
         return json_response({"status": "error", "error": failure}, status=503)
     if not state.ready:

@@ -79,8 +79,8 @@ def test_plugins_cli_lists_name_version_hooks() -> None:
     result = run_cli("--json")
     assert result.returncode == 0, result.stderr
     plugins = {p["name"]: p for p in json.loads(result.stdout)}
-    assert plugins["trtserver.engine.registry"]["hooks"] == ["trtserver_register_engines"]
-    assert plugins["trtserver.engine.registry"]["source"] == "core"
+    assert plugins["trtserver.builtins.engines"]["hooks"] == ["trtserver_register_engines"]
+    assert plugins["trtserver.builtins.engines"]["source"] == "core"
     core = {n for n, p in plugins.items() if p["source"] == "core"}
     assert plugins["fingerprint"]["version"] == "0.1.0"
     assert plugins["fingerprint"]["hooks"] == ["trtserver_system_fingerprint"]
@@ -109,3 +109,19 @@ def test_allowlist_env_excludes_plugins(tmp_path: Path) -> None:
     assert {p["name"] for p in json.loads(result.stdout)} == core
     result = run_cli("--json", "--plugin", str(extra), env={"TRTSERVER_LOAD_PLUGINS": "extra_plugin"})
     assert {p["name"] for p in json.loads(result.stdout)} == core | {"extra_plugin"}
+
+
+def test_trace_plugins_logs_each_hook_call_with_its_duration() -> None:
+    import structlog.testing
+
+    from trtserver.plugins import load_plugins, new_plugin_manager, trace_hook_calls
+
+    pm = new_plugin_manager()
+    load_plugins(pm, allowlist=[])
+    trace_hook_calls(pm)
+    with structlog.testing.capture_logs() as logs:
+        pm.hook.trtserver_register_engines(register=lambda name, factory: None)
+    calls = [entry for entry in logs if entry["event"] == "hook_called"]
+    assert [c["hook"] for c in calls] == ["trtserver_register_engines"]
+    assert "trtserver.builtins.engines" in calls[0]["plugins"]
+    assert calls[0]["ms"] >= 0 and calls[0]["raised"] is None

@@ -196,15 +196,35 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    # Optional: ``check(request) -> list[tuple[param, reason]]`` lists what this engine must refuse
-    # for a request (the serving layer answers 400 naming the first); engines that can serve
-    # everything the capabilities allow need not define it.
-    #
-    # Optional: ``push_to(request_id, sink) -> end | None``, for a request whose ``generate`` stream
-    # is being read: the engine may hand a delta to ``sink`` (a ``DeltaSink``) instead of the stream,
-    # but only while the reader waits with nothing queued, so order is kept; a delta the sink declines
-    # goes to the stream. ``end()`` ends the stream early. A streamed token then costs no task switch
-    # and no generator frames (the PyTorch engine has it).
+    def check(self, request: GenerationRequest) -> list[tuple[str, str]]:
+        """What this engine must refuse in ``request``, as (param, reason); the server answers 400
+        naming the first. Checks that need only the capabilities are the server's."""
+        ...
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can no longer serve (``/health`` answers 503 with it), or None."""
+        ...
+
+    @property
+    def threads_bound(self) -> bool:
+        """The engine bound its threads to CPUs: the server pins its event loop to the CPU left."""
+        ...
+
+
+class EngineBase:
+    """Defaults for the ``Engine`` members most engines need not change; subclass it."""
+
+    def check(self, request: GenerationRequest) -> list[tuple[str, str]]:
+        return []
+
+    @property
+    def failure(self) -> str | None:
+        return None
+
+    @property
+    def threads_bound(self) -> bool:
+        return False
 
 
 class DeltaSink(Protocol):

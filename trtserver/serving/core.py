@@ -21,7 +21,6 @@ import pluggy
 import structlog
 
 from trtserver.adapters import AdapterRegistry
-from trtserver.bad_words import bad_words_factory
 from trtserver.config import ServerConfig
 from trtserver.engine.base import Engine, GenerationRequest, GuidedDecoder, SequenceOutput
 from trtserver.errors import InvalidRequest, Overloaded, Unsupported
@@ -189,8 +188,6 @@ class Service:
         processors = [f for fs in self.pm.hook.trtserver_logits_processors(request=request, context=context,
                                                                             tokenizer=self.tokenizer)
                       if fs for f in fs]
-        if request.bad_words:
-            processors.append(bad_words_factory(request.bad_words, self.tokenizer))
         if processors and not self.info.capabilities.logits_processors:
             raise Unsupported(f"this engine ({self.info.backend}) cannot run logits processors",
                               param="logits_processors")
@@ -217,11 +214,9 @@ class Service:
             )
             for i, prompt in enumerate(prompts)
         ]
-        check = getattr(self.engine, "check", None)
-        if check is not None:
-            for engine_request in engine_requests:
-                for param, reason in check(engine_request):
-                    raise Unsupported(reason, param=_sent_param(request, plan, param))
+        for engine_request in engine_requests:
+            for param, reason in self.engine.check(engine_request):
+                raise Unsupported(reason, param=_sent_param(request, plan, param))
         return Prepared(request, plan, context, response_id, int(time.time()), prompts, engine_requests, stops,
                         counted=tier.counted, sequences=sequences, api_state=state)
 

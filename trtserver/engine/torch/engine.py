@@ -26,6 +26,7 @@ from trtserver.config import ServerConfig
 from trtserver.engine.base import (
     Capabilities,
     DeltaSink,
+    EngineBase,
     EngineInfo,
     EngineStats,
     GenerationRequest,
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class TorchEngine:
+class TorchEngine(EngineBase):
     """With ``engine_process`` (the server's default) this object is the server's side only: it
     checks requests and hands them to the engine process, and it never imports torch (~250 MiB of
     the server's memory and a second of its start-up). Device, dtype and quantization are settled

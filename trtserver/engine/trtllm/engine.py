@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from trtserver.engine.base import Capabilities, EngineInfo, EngineStats, GenerationRequest, SequenceOutput
+from trtserver.engine.base import (
+    Capabilities,
+    EngineBase,
+    EngineInfo,
+    EngineStats,
+    GenerationRequest,
+    SequenceOutput,
+)
 from trtserver.engine.trtllm.mapping import needs_logits_processor, refusals
 from trtserver.engine.trtllm.request import generate_kwargs, guided_kwargs, llm_kwargs, prepare
 from trtserver.engine.trtllm.stream import StreamTranslator
@@ -85,7 +92,7 @@ def _shutdown_when_built(building: asyncio.Future[Any]) -> None:
             llm.shutdown()
 
 
-class TrtllmEngine:
+class TrtllmEngine(EngineBase):
     """``Engine`` over TensorRT-LLM's LLM API."""
 
     def __init__(self, config: ServerConfig) -> None:
@@ -103,8 +110,8 @@ class TrtllmEngine:
         # the model's vocabulary (the logits' width without padding); 0 when unknown
         self.model_vocab_size = build.vocab_size or _hf_vocab_size(self.engine_path)
         self.build = build
-        self.tp = int(getattr(config, "tensor_parallel_size", 1) or 1)
-        self.pp = int(getattr(config, "pipeline_parallel_size", 1) or 1)
+        self.tp = config.tensor_parallel_size
+        self.pp = config.pipeline_parallel_size
         self._llm: Any = None
         self._active: dict[str, _Active] = {}
         self._pumps: set[asyncio.Task[None]] = set()
@@ -118,13 +125,13 @@ class TrtllmEngine:
     @cached_property
     def features(self) -> ApiFeatures:
         features = detect(self.trtllm, has_engine=self.trt_engine_dir is not None, build=self.build)
-        gather = (bool(getattr(self.config, "trtllm_gather_generation_logits", False))
+        gather = (self.config.trtllm_gather_generation_logits
                   or self.build.gather_generation_logits)
         return features.with_options(
             gather_generation_logits=gather and features.llm_accepts("gather_generation_logits"),
             guided_backend=self._guided_backend(features),
             lora_enabled=self.config.adapters_dir is not None and features.lora,
-            pytorch_beam_width=int(getattr(self.config, "trtllm_max_beam_width", 1) or 1))
+            pytorch_beam_width=self.config.trtllm_max_beam_width)
 
     @cached_property
     def _info(self) -> EngineInfo:
@@ -204,7 +211,7 @@ class TrtllmEngine:
 
     def _guided_backend(self, f: ApiFeatures) -> str | None:
         """The guided-decoding backend to start TRT-LLM with; None: our guides run in a logits processor."""
-        wanted = getattr(self.config, "trtllm_guided_decoding_backend", "xgrammar")
+        wanted = self.config.trtllm_guided_decoding_backend
         if not wanted or not f.has_guided_params:
             return None
         # TRT: anything but xgrammar raises at LLM(); PyTorch: a Literal["xgrammar", "llguidance"] field

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from trtserver import hookimpl
 from trtserver.errors import InvalidRequest
+from trtserver.protocol import ChatCompletionRequest
 
 if TYPE_CHECKING:
     from trtserver.protocol import CompletionRequest
@@ -65,15 +66,19 @@ def _prompt_texts(prompt: object) -> list[str]:
 
 
 @hookimpl
-def trtserver_request_received(request: CompletionRequest, context: RequestContext) -> None:
+def trtserver_request_received(request: CompletionRequest | ChatCompletionRequest, context: RequestContext) -> None:
     words = banned_words()
     if not words:
         return
     pattern = re.compile(r"\b(" + "|".join(re.escape(w) for w in words) + r")\b", re.IGNORECASE)
-    for text in _prompt_texts(request.prompt):
+    if isinstance(request, ChatCompletionRequest):
+        texts, param = [m.text() or "" for m in request.messages], "messages"
+    else:
+        texts, param = _prompt_texts(request.prompt), "prompt"
+    for text in texts:
         found = pattern.search(text)
         if found is not None:
-            raise InvalidRequest(f"the prompt contains a banned word: {found.group(0)!r}", param="prompt")
+            raise InvalidRequest(f"the prompt contains a banned word: {found.group(0)!r}", param=param)
 
 
 @hookimpl

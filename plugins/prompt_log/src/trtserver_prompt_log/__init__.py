@@ -28,6 +28,7 @@ import msgspec
 
 from trtserver import hookimpl
 from trtserver.errors import InvalidRequest
+from trtserver.protocol import ChatCompletionRequest
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -91,7 +92,8 @@ def trtserver_app_created(app: web.Application, config: ServerConfig) -> None:
 
 
 @hookimpl
-def trtserver_request_received(request: CompletionRequest, context: RequestContext) -> Awaitable[None] | None:
+def trtserver_request_received(request: CompletionRequest | ChatCompletionRequest,
+                               context: RequestContext) -> Awaitable[None] | None:
     if not request.log_prompt:
         return None
     directory = context.config.prompt_log_dir
@@ -99,5 +101,9 @@ def trtserver_request_received(request: CompletionRequest, context: RequestConte
         raise InvalidRequest("prompt logging is not enabled on this server", param="log_prompt")
     now = dt.datetime.now(dt.timezone.utc)
     record = {"time": now.isoformat(), "request_id": context.request_id, "model": context.model or request.model,
-              "prompt": request.prompt, "user": context.user}
+              "user": context.user}
+    if isinstance(request, ChatCompletionRequest):
+        record["messages"] = msgspec.to_builtins(request.messages)
+    else:
+        record["prompt"] = request.prompt
     return asyncio.to_thread(append_record, directory, record, now)

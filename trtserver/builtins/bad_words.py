@@ -1,13 +1,19 @@
 """vLLM's ``bad_words``: never generate these words (as the prompt would tokenize them, with and
 without a leading space). A word's last token is banned whenever the tokens before it were just
-generated; a one-token word is banned outright."""
+generated; a one-token word is banned outright. A built-in plugin on the public hook."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from trtserver.engine.base import LogitsProcessor
+from trtserver.hookspecs import hookimpl
 from trtserver.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from trtserver.protocol import ChatCompletionRequest, CompletionRequest
+    from trtserver.request_context import RequestContext
 
 
 class BadWordsProcessor:
@@ -34,3 +40,9 @@ def bad_words_factory(words: Sequence[str], tokenizer: Tokenizer) -> Callable[[]
                 sequences.add(ids)
     frozen = sorted(sequences)
     return lambda: BadWordsProcessor(frozen)
+
+
+@hookimpl
+def trtserver_logits_processors(request: CompletionRequest | ChatCompletionRequest, context: RequestContext,
+                                tokenizer: Tokenizer) -> list[Callable[[], LogitsProcessor]] | None:
+    return [bad_words_factory(request.bad_words, tokenizer)] if request.bad_words else None
