@@ -10,8 +10,8 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PLUGINS := $(wildcard plugins/*/pyproject.toml)
 PYTEST_ARGS ?=
-# Debian packages the tests run for real (tests/http/test_replicas.py, plugins/redis_quota); installed where missing
-SYSTEM_PACKAGES ?= redis-server nginx openssl
+# Debian packages the tests run for real (tests/replicas, plugins/redis_quota, the playground's browser tests)
+SYSTEM_PACKAGES ?= redis-server nginx openssl chromium chromium-driver
 
 .PHONY: install system-packages engines serve test test-unit lint bench gpu-check devkit clean
 

@@ -63,6 +63,8 @@ class ServerState:
     metrics: Metrics | None = None
     # `trtserver serve` sets it (to pin the event loop): what runs once the engine has started
     engine_started: Callable[[Engine], None] | None = None
+    # paths answered without an API key; a plugin serving a web page adds its own (its API calls carry the key)
+    open_paths: set[str] = field(default_factory=lambda: set(OPEN_PATHS))
 
 
 STATE = web.AppKey("trtserver_state", ServerState)
@@ -113,14 +115,14 @@ async def error_middleware(request: web.Request,
         structlog.contextvars.unbind_contextvars("request_id", "user")
 
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS: frozenset[str] = frozenset({"/health", "/metrics"})
 
 
 def _authenticate(request: web.Request) -> None:
-    """With ``api_keys`` configured, every route but health and metrics needs one of them."""
-    config = request.app[STATE].config
-    keys = config.api_keys + config.no_limit_api_keys
-    if not keys or request.path in OPEN_PATHS:
+    """With ``api_keys`` configured, every route but the open paths (health, metrics) needs one of them."""
+    state = request.app[STATE]
+    keys = state.config.api_keys + state.config.no_limit_api_keys
+    if not keys or request.path in state.open_paths:
         return
     auth = request.headers.get("Authorization", "")
     given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
