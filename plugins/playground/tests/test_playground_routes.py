@@ -93,21 +93,19 @@ async def test_page_needs_no_key_but_the_api_does() -> None:
         await client.close()
 
 
-async def test_setting_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(trtserver_playground.ENABLE_ENV, "0")
-    client = await client_for(api_keys=["k-1"])
+async def test_setting_turns_it_off() -> None:
+    off = {"playground": {"enabled": False}}
+    client = await client_for(api_keys=["k-1"], plugin_settings=off)
     try:
         assert (await client.get("/playground/")).status == 401  # no such open path any more
     finally:
         await client.close()
-    monkeypatch.delenv(trtserver_playground.ENABLE_ENV)
-    client = await client_for()
+    client = await client_for(plugin_settings={"playground": {"enabled": True}})
     try:
         assert (await client.get("/playground/")).status == 200
     finally:
         await client.close()
-    monkeypatch.setenv(trtserver_playground.ENABLE_ENV, "off")
-    client = await client_for()
+    client = await client_for(plugin_settings=off)
     try:
         assert (await client.get("/playground/")).status == 404
         assert (await client.get("/")).status == 404

@@ -6,34 +6,37 @@ is served under ``/playground/<name>``. The page talks to the server only throug
 (``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/metrics``), sending the API key
 the user typed, so the page's own files are open paths: they need no key, the API calls do.
 
-``TRTSERVER_PLAYGROUND=0`` (or ``false``, ``no``, ``off``) turns the page off on a server where the
-plugin is installed; uninstalling the package does the same.
+``enabled = false`` in the config file's ``[plugins.playground]`` table turns the page off on a
+server where the plugin is installed; uninstalling the package does the same.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from pathlib import Path
 
+import msgspec
 from aiohttp import web
 
 from trtserver import hookimpl
 from trtserver.config import ServerConfig
+from trtserver.plugins import plugin_settings
 from trtserver.server import STATE
 
 __version__ = "0.1.0"
 
 PREFIX = "/playground/"
-ENABLE_ENV = "TRTSERVER_PLAYGROUND"
-OFF_VALUES = frozenset({"0", "false", "no", "off"})
 # the files change with the installed package, not between requests; revalidate so an upgrade shows at once
 HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
 
 
-def enabled() -> bool:
-    return os.environ.get(ENABLE_ENV, "1").strip().lower() not in OFF_VALUES
+class Settings(msgspec.Struct, forbid_unknown_fields=True):
+    enabled: bool = True
+
+
+def enabled(config: ServerConfig) -> bool:
+    return plugin_settings(config, "playground", Settings).enabled
 
 
 def static_files() -> dict[str, Path]:
@@ -57,7 +60,7 @@ async def _to_playground(request: web.Request) -> web.StreamResponse:
 
 @hookimpl
 def trtserver_app_created(app: web.Application, config: ServerConfig) -> None:
-    if not enabled():
+    if not enabled(config):
         return
     files = static_files()
     app.router.add_get("/", _to_playground)
