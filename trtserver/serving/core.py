@@ -116,7 +116,7 @@ class Service:
         self.model_name = model_name
         self.system_fingerprint = system_fingerprint
         self.tokenizer = engine.tokenizer
-        token_bytes = self.tokenizer.token_bytes  # built now (~0.1 s), not on the first request
+        token_bytes = self.tokenizer.token_bytes  # built now, not on the first request
         # a token covers at most this many bytes: a longer text cannot fit the context, untokenized
         self.longest_token_bytes = max((len(b) for b in token_bytes), default=0) if token_bytes else 0
         self.info = engine.info
