@@ -29,8 +29,11 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def can_pack_for_cpu() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+def can_pack_for_cpu(dtype: torch.dtype = torch.float32) -> bool:
+    """oneDNN packs float32 on any x86-64 CPU, bfloat16 only where the CPU has AVX-512 (or AVX-NE-CONVERT)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _linear(module: nn.Module) -> nn.Linear:
@@ -76,7 +79,7 @@ class Int4Linear(nn.Module):
             .contiguous().to(torch.bfloat16)  # (K / g, N, 2)
         self.bias = linear.bias
         self.out_features = N
-        self.dense: nn.Module = PackedLinear(linear) if can_pack_for_cpu() else linear
+        self.dense: nn.Module = PackedLinear(linear) if can_pack_for_cpu(linear.weight.dtype) else linear
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.kernels.small:
@@ -132,7 +135,7 @@ class Int8Linear(nn.Module):
         self.scale = scale.to(linear.weight.dtype)
         self.bias = linear.bias
         self.out_features = self.q.shape[0]
-        self.dense: nn.Module = PackedLinear(linear) if can_pack_for_cpu() else linear
+        self.dense: nn.Module = PackedLinear(linear) if can_pack_for_cpu(linear.weight.dtype) else linear
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.kernels.small:
@@ -161,5 +164,5 @@ def quantize_weights(model: Transformer, kind: str) -> None:
         layer.feed_forward.w2 = cls(_linear(layer.feed_forward.w2), k)
     if kind == "int4":
         model.output = Int4Head(model.output, k)  # type: ignore[assignment]
-    elif can_pack_for_cpu():
+    elif can_pack_for_cpu(model.output.weight.dtype):
         model.output = PackedLinear(model.output)  # type: ignore[assignment]

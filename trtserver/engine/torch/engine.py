@@ -222,7 +222,7 @@ class TorchEngine:
         elif self.device.type == "cpu":
             from trtserver.engine.torch.cpu_weights import can_pack_for_cpu, pack_for_cpu
 
-            if can_pack_for_cpu():
+            if can_pack_for_cpu(dtype):
                 pack_for_cpu(model)
         self.dtype = dtype
         self.dtype_name = str(dtype).removeprefix("torch.")
@@ -335,7 +335,7 @@ def pick_cpu_dtype() -> torch.dtype:
     times = {}
     for dtype in (torch.float32, torch.bfloat16):
         layers = [torch.nn.Linear(576, 3072, bias=False, dtype=dtype) for _ in range(6)]
-        fns = [PackedLinear(lin) for lin in layers] if can_pack_for_cpu() else layers
+        fns = [PackedLinear(lin) for lin in layers] if can_pack_for_cpu(dtype) else layers
         xs = [torch.randn(rows, 576, dtype=dtype) for rows in (1, 8)]
         with torch.inference_mode():
             for fn in fns:
