@@ -200,3 +200,26 @@ def test_a_dead_end_is_not_the_end(backend: str, context: GuideContext) -> None:
     state = guided_decoder(GuideSpec("regex", "龘"), backend, context).new_state()
     assert len(allowed(state, context)) == 0
     assert not state.is_terminated()
+
+
+def test_shutdown_ends_pending_compiles_at_once(context: GuideContext) -> None:
+    from trtserver_guided import plugin
+
+    guided_decoder(GuideSpec("regex", "warm[0-9]"), "lm-format-enforcer", context)
+    outcome: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            guided_decoder(GuideSpec("regex", RUNAWAY_REGEX + "x"), "lm-format-enforcer", with_timeout(context, 30))
+        except APIError as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    assert settle(lambda: bool(compile_children()), 10), "the compile did not start"
+    start = time.monotonic()
+    plugin.stop_compiles()
+    waiter.join(5)
+    assert not waiter.is_alive() and time.monotonic() - start < 2
+    assert outcome and outcome[0].status == 503
+    assert settle(lambda: not compile_children()), compile_children()

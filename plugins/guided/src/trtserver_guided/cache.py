@@ -11,11 +11,12 @@ spec does not start a second compile.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Generic, TypeVar
 
@@ -71,6 +72,16 @@ class CompileCache(Generic[T]):
             while len(self._done) > self.max_entries:
                 self._done.popitem(last=False)
 
+    def fail_pending(self, exc: BaseException) -> None:
+        """End the wait of every caller of a compile still running (the compile may go on)."""
+        with self._lock:
+            futures = list(self._pending.values())
+        for future in futures:  # outside the lock: the done callback takes it
+            try:
+                future.set_exception(exc)
+            except InvalidStateError:
+                pass
+
     def pending(self) -> int:
         with self._lock:
             return len(self._pending)
@@ -86,6 +97,8 @@ def _run(future: Future[T], compile_fn: Callable[[], T]) -> None:
     try:
         result = compile_fn()
     except BaseException as exc:  # noqa: BLE001 - handed to the waiting callers
-        future.set_exception(exc)
+        with contextlib.suppress(InvalidStateError):  # already failed by fail_pending
+            future.set_exception(exc)
     else:
-        future.set_result(result)
+        with contextlib.suppress(InvalidStateError):
+            future.set_result(result)

@@ -30,6 +30,17 @@ from trtserver.errors import InvalidRequest
 
 WORKER = Path(__file__).with_name("backends") / "_compile_worker.py"
 T = TypeVar("T")
+_live: set[subprocess.Popen[bytes]] = set()
+_live_lock = threading.Lock()
+
+
+def kill_all() -> None:
+    """Kill every compile worker process now (their callers get an error)."""
+    with _live_lock:
+        procs = list(_live)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def _env_int(name: str, default: int) -> int:
@@ -107,12 +118,16 @@ def run_in_worker(task: str, request: dict[str, Any], timeout: float, lanes: Lan
         message = pickle.dumps({"task": task, "parent": os.getpid(), "max_bytes": max_mb << 20, **request})
         proc = subprocess.Popen([sys.executable, "-I", str(WORKER)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        with _live_lock:
+            _live.add(proc)
         try:
             out, err = _communicate(proc, message, deadline, lanes, slot, timeout)
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
+            with _live_lock:
+                _live.discard(proc)
     finally:
         slot.leave()
     if proc.returncode != 0 or not out:
