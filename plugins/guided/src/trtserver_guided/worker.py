@@ -151,11 +151,21 @@ def _communicate(proc: subprocess.Popen[bytes], message: bytes, deadline: float,
     except subprocess.TimeoutExpired:
         pass
     if time.monotonic() < deadline and slot.promote():
-        try:  # a slow compile yields the CPU to the fast ones
-            os.setpriority(os.PRIO_PROCESS, proc.pid, 10)
-        except OSError:
-            pass
+        _lower_priority(proc.pid)
     try:
         return proc.communicate(timeout=max(0.01, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         raise exceeded(timeout) from None
+
+
+def _lower_priority(pid: int) -> None:
+    """A slow compile yields the CPU to the fast ones (nice is per thread on Linux: every thread)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, 10)
+        except OSError:
+            pass
