@@ -8,6 +8,7 @@ still turn into a stop string is held back until it either does or cannot.
 from __future__ import annotations
 
 import codecs
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -38,29 +39,87 @@ class StopChecker(Protocol):
         withholds them until they either match or cannot."""
 
 
+# longest stop string the API accepts: matching is linear in the text whatever the length, but each
+# stop's table costs memory and start-up time in proportion to it
+MAX_STOP_CHARS = 4096
+
+
+def check_stop_strings(stops: Sequence[str], param: str = "stop") -> None:
+    """Refuse (400) a stop string longer than ``MAX_STOP_CHARS``."""
+    from trtserver.errors import InvalidRequest
+
+    for stop in stops:
+        if len(stop) > MAX_STOP_CHARS:
+            raise InvalidRequest(f"a stop string may be at most {MAX_STOP_CHARS} characters, got {len(stop)}",
+                                 param=param)
+
+
+@functools.lru_cache(maxsize=512)
+def _failure_table(stop: str) -> tuple[int, ...]:
+    """KMP: for each prefix of ``stop``, the length of its longest proper border."""
+    table = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = table[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        table[i] = k
+    return tuple(table)
+
+
 class StopStrings:
-    """The request's ``stop`` list as a StopChecker."""
+    """The request's ``stop`` list as a StopChecker.
+
+    One KMP automaton per stop string follows the text as it grows: its state is the longest
+    suffix of the text that is a prefix of that stop, so each new character costs amortised
+    constant work per stop, and the hold-back is the largest state.
+    """
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(s for s in stops if s)
-        self._longest = max((len(s) for s in self.stops), default=0)
+        self._tables = [_failure_table(s) for s in self.stops]
+        self._states = [0] * len(self.stops)
+        self._text = ""  # the text fed to the automata so far
+        self._seen = 0
+        self._match: StopMatch | None = None
+
+    def _advance(self, text: str) -> None:
+        if text is not self._text and not text.startswith(self._text):  # another text: start again
+            self._states = [0] * len(self.stops)
+            self._seen = 0
+            self._match = None
+        self._text = text
+        if self._match is not None or self._seen == len(text):
+            return
+        best: StopMatch | None = None
+        for n, (stop, table) in enumerate(zip(self.stops, self._tables)):
+            q = self._states[n]
+            size = len(stop)
+            for i in range(self._seen, len(text)):
+                c = text[i]
+                while q and stop[q] != c:
+                    q = table[q - 1]
+                if stop[q] == c:
+                    q += 1
+                    if q == size:
+                        start = i + 1 - size
+                        if best is None or start < best.start:
+                            best = StopMatch(start, i + 1, stop)
+                        q = table[q - 1]
+                        break
+            self._states[n] = q
+        self._seen = len(text)
+        self._match = best
 
     def find(self, text: str, new_from: int) -> StopMatch | None:
-        begin = max(0, new_from - self._longest + 1)
-        best: StopMatch | None = None
-        for stop in self.stops:
-            at = text.find(stop, begin)
-            if at >= 0 and (best is None or at < best.start):
-                best = StopMatch(at, at + len(stop), stop)
-        return best
+        self._advance(text)
+        return self._match
 
     def hold(self, text: str) -> int:
         # the longest suffix of text that is a proper prefix of some stop string
-        for size in range(min(self._longest - 1, len(text)), 0, -1):
-            tail = text[-size:]
-            if any(stop.startswith(tail) for stop in self.stops):
-                return size
-        return 0
+        self._advance(text)
+        return max(self._states, default=0)
 
 
 class IncrementalDecoder:

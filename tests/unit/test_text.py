@@ -103,3 +103,59 @@ def test_include_stop_str_in_output(tokenizer: Tokenizer) -> None:
     stream = TextStream(IncrementalDecoder(tokenizer), [StopStrings(["b"])], include_stop_str_in_output=True)
     stream.add(tokenizer.encode("a b c"))
     assert stream.text == "a b"
+
+
+def _naive_hold(stops: list[str], text: str) -> int:
+    longest = max(len(s) for s in stops)
+    for size in range(min(longest - 1, len(text)), 0, -1):
+        if any(s.startswith(text[-size:]) for s in stops):
+            return size
+    return 0
+
+
+def test_stop_strings_agree_with_the_definition_when_fed_piece_by_piece() -> None:
+    """Random stops and texts over a small alphabet, fed in random pieces: the first match (earliest
+    start, then list order) and the hold-back are exactly what a full rescan gives."""
+    rng = random.Random(7)
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
+        full = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
+        checker = StopStrings(stops)
+        text = ""
+        while len(text) < len(full):
+            new_from = len(text)
+            text = full[: new_from + rng.randint(1, 4)]
+            found = checker.find(text, new_from)
+            hits = [(text.find(s), i) for i, s in enumerate(stops) if s in text]
+            if hits:
+                start, i = min(hits)
+                assert found is not None and (found.start, found.end, found.reason) == (
+                    start, start + len(stops[i]), stops[i]), (stops, text)
+                break
+            assert found is None, (stops, text)
+            assert checker.hold(text) == _naive_hold(stops, text), (stops, text)
+
+
+def test_stop_string_work_per_token_is_bounded() -> None:
+    """A stop far longer than the text, and text that never starts it: each token costs the same."""
+    import time
+
+    checker = StopStrings(["Z" * 300_000, "abZ"])
+    text = ""
+    start = time.perf_counter()
+    for _ in range(3000):
+        new_from = len(text)
+        text += "ab"
+        assert checker.find(text, new_from) is None
+        assert checker.hold(text) == 2
+    assert time.perf_counter() - start < 1.5
+
+
+def test_stop_string_limits_are_exposed() -> None:
+    from trtserver.errors import InvalidRequest
+    from trtserver.text import MAX_STOP_CHARS, check_stop_strings
+
+    check_stop_strings(["x" * MAX_STOP_CHARS])
+    with pytest.raises(InvalidRequest) as info:
+        check_stop_strings(["ok", "x" * (MAX_STOP_CHARS + 1)])
+    assert info.value.param == "stop"

@@ -63,6 +63,74 @@ def test_regex_rejects_bad_patterns(bad: Any) -> None:
     assert info.value.param == "stop_regex"
 
 
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("pattern", [r"(a|aa)+b", r"(a+)+b", r"(a*)*b", r"(a|a?)+b", r"(\w+\s?)+!"])
+def test_regex_work_per_token_is_linear(pattern: str) -> None:
+    """Patterns that backtrack exponentially, over forced text that almost matches: milliseconds."""
+    import time
+
+    checker = RegexStop(parse_stop_regex(pattern))
+    text = ""
+    start = time.perf_counter()
+    for i in range(200):
+        new_from = len(text)
+        text += "a"
+        assert checker.find(text, new_from) is None
+        assert checker.hold(text) == len(text), i
+    assert time.perf_counter() - start < 1.0
+
+
+SAFE_PIECES = ["a", "b", "ab", "[ab]", "[^a]", "b?", "a*", "(a|bb)", "(?:ab)+", "a{1,3}", "\\d", "\\s", "\\w",
+               "\\W", ".", "[\\da]", "(?i:A)", "a+?", "\\bb"]
+
+
+def test_regex_agrees_with_python_semantics() -> None:
+    """Random patterns fed random text piece by piece: the stop found and the hold-back are those of
+    Python's own regex matching (the ``regex`` module's search, and its partial search)."""
+    import random
+
+    rng = random.Random(3)
+    for _ in range(400):
+        pattern = "".join(rng.choice(SAFE_PIECES) for _ in range(rng.randint(1, 4)))
+        try:
+            compiled = regex.compile(pattern)
+            if compiled.fullmatch(""):
+                continue
+        except regex.error:
+            continue
+        checker = RegexStop(parse_stop_regex(pattern))
+        alphabet = "ab 1\n" if "\\b" in pattern else "ab 1\né"  # RE2's \b knows ASCII words only
+        full = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 20)))
+        text = ""
+        while len(text) < len(full):
+            new_from = len(text)
+            text = full[: new_from + rng.randint(1, 3)]
+            expected = compiled.search(text)
+            found = checker.find(text, new_from)
+            if expected is not None:
+                assert found is not None and (found.start, found.end) == expected.span(), (pattern, text)
+                break
+            assert found is None, (pattern, text)
+            # what could still match does not depend on laziness (and regex's partial search of a
+            # lazy quantifier reports starts that cannot match)
+            partial = regex.search(pattern.replace("+?", "+"), text, partial=True)
+            if "\\b" not in pattern:  # regex decides a \b at the end of the text as if nothing followed
+                assert checker.hold(text) == (len(text) - partial.start() if partial else 0), (pattern, text)
+
+
+def test_regex_hold_keeps_a_word_boundary_the_next_text_decides() -> None:
+    checker = RegexStop(parse_stop_regex(r".\bb"))
+    assert checker.hold("1 ") == 1  # " b" would match
+    assert checker.find("1 b", 2) == StopMatch(1, 3, r".\bb")
+
+
+@pytest.mark.parametrize("bad", [r"(a)\1", r"a(?=b)", r"(?<!x)a", r"a++", r"(?>ab)c", "a{2000}"])
+def test_regex_refuses_what_linear_matching_cannot_do(bad: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        parse_stop_regex(bad)
+    assert info.value.param == "stop_regex"
+
+
 def test_lines() -> None:
     checker = LineStop(2)
     assert checker.find("a\nb", 0) is None

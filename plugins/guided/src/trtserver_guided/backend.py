@@ -12,6 +12,7 @@ from trtserver.errors import InvalidRequest
 
 from trtserver_guided.cache import CompileCache
 from trtserver_guided.vocab import Vocab, vocab_for
+from trtserver_guided.worker import Lanes
 
 if TYPE_CHECKING:
     from trtserver.engine.base import GuidedDecoder, TokenConstraint
@@ -45,6 +46,7 @@ class Backend:
 
     def __init__(self) -> None:
         self.cache: CompileCache[Portable] = CompileCache()
+        self.lanes = Lanes(self.name)
         self._lock = threading.Lock()
         self._per_vocab: dict[int, tuple[Vocab, Any, np.ndarray, np.ndarray]] = {}
 

@@ -1,20 +1,22 @@
 """A thread-safe LRU of compiled guides with per-key de-duplication and a compile deadline.
 
-Compiles run on a small pool of worker threads. A caller waits at most ``timeout`` seconds and
-then gets ``InvalidRequest("guide compilation exceeded N s")``; the compile itself keeps running
-(a thread cannot be killed) and its result still lands in the cache, so a client that retries
-the same spec does not start a second compile. The outlines backend, whose compiles can run away
-in time and memory, additionally runs each compile in a killable subprocess (see
-``backends/outlines.py``).
+Each compile runs on its own daemon thread (so a compile never holds up the process's exit); how
+many run at once is the backend's business (``worker.Lanes``). A hit returns at once, never
+waiting for another key's compile. A caller waits at most ``timeout`` seconds and then gets
+``InvalidRequest("guide compilation exceeded N s")``. Compiles that can run away are killed at
+their deadline (``worker.run_in_worker``) or refused up front by their backend; an in-process
+compile that outlives its caller still lands in the cache, so a client that retries the same
+spec does not start a second compile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Generic, TypeVar
 
@@ -24,12 +26,11 @@ T = TypeVar("T")
 
 
 class CompileCache(Generic[T]):
-    def __init__(self, max_entries: int = 128, max_workers: int = 4) -> None:
+    def __init__(self, max_entries: int = 128) -> None:
         self.max_entries = max_entries
         self._lock = threading.Lock()
         self._done: OrderedDict[Hashable, T] = OrderedDict()
         self._pending: dict[Hashable, Future[T]] = {}
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="guide-compile")
         self.hits = 0
         self.misses = 0
 
@@ -51,10 +52,11 @@ class CompileCache(Generic[T]):
             fresh = future is None
             if future is None:
                 self.misses += 1
-                future = self._pool.submit(compile_fn)
+                future = Future()
                 self._pending[key] = future
         if fresh:  # outside the lock: a future that is already done runs the callback right here
             future.add_done_callback(functools.partial(self._finish, key))
+            threading.Thread(target=_run, args=(future, compile_fn), name="guide-compile", daemon=True).start()
         try:
             return future.result(timeout=timeout)
         except FutureTimeout:
@@ -70,6 +72,33 @@ class CompileCache(Generic[T]):
             while len(self._done) > self.max_entries:
                 self._done.popitem(last=False)
 
+    def fail_pending(self, exc: BaseException) -> None:
+        """End the wait of every caller of a compile still running (the compile may go on)."""
+        with self._lock:
+            futures = list(self._pending.values())
+        for future in futures:  # outside the lock: the done callback takes it
+            try:
+                future.set_exception(exc)
+            except InvalidStateError:
+                pass
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
     def clear(self) -> None:
         with self._lock:
             self._done.clear()
+
+
+def _run(future: Future[T], compile_fn: Callable[[], T]) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        result = compile_fn()
+    except BaseException as exc:  # noqa: BLE001 - handed to the waiting callers
+        with contextlib.suppress(InvalidStateError):  # already failed by fail_pending
+            future.set_exception(exc)
+    else:
+        with contextlib.suppress(InvalidStateError):
+            future.set_result(result)

@@ -5,6 +5,9 @@ Backend names (what ``guided_decoding_backend`` / ``structured_outputs.backend``
 ``lm-format-enforcer`` (aliases ``lmfe``, ``lm_format_enforcer``), and ``auto`` (xgrammar,
 falling back to llguidance when xgrammar is missing or cannot do the spec). Any other name is
 left to other plugins (None).
+
+When the server shuts down, every compile still running ends at once: its callers get a 503 and
+the compile worker processes are killed, so a slow compile never holds up the exit.
 """
 
 from __future__ import annotations
@@ -12,10 +15,14 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from trtserver.errors import InvalidRequest
+from trtserver.errors import InvalidRequest, Overloaded
 from trtserver.hookspecs import hookimpl
 
+from trtserver_guided import worker
+
 if TYPE_CHECKING:
+    from aiohttp import web
+    from trtserver.config import ServerConfig
     from trtserver.engine.base import GuidedDecoder
     from trtserver.guided import GuideContext, GuideSpec
 
@@ -71,3 +78,21 @@ def guided_decoder(spec: GuideSpec, backend: str, context: GuideContext) -> Guid
 @hookimpl
 def trtserver_guided_decoder(spec: GuideSpec, backend: str, context: GuideContext) -> GuidedDecoder | None:
     return guided_decoder(spec, backend, context)
+
+
+def stop_compiles() -> None:
+    """End every pending compile of every backend: callers get a 503 now, worker processes die."""
+    with _lock:
+        backends = list(_backends.values())
+    for backend in backends:
+        backend.cache.fail_pending(Overloaded("the server is shutting down"))
+    worker.kill_all()
+
+
+async def _stop_compiles(app: web.Application) -> None:
+    stop_compiles()
+
+
+@hookimpl
+def trtserver_app_created(app: web.Application, config: ServerConfig) -> None:
+    app.on_shutdown.append(_stop_compiles)

@@ -4,8 +4,10 @@ A backend implements ``_compute(buf)`` (write this step's allowed tokens into ``
 numpy array of ``ceil(vocab/32)`` words, without stop ids), ``_advance(token)`` (non-stop token;
 False if not allowed) and ``_can_stop()`` (the guide is in an accepting state). The base class
 adds the stop ids when the guide may stop, caches the mask between ``is_terminated`` and
-``fill_bitmask``, and reports termination once the guide accepted a stop token or only stop
-tokens can follow (an empty mask counts as terminated too: nothing valid can follow).
+``fill_bitmask``, and reports termination once the guide accepted a stop token or may stop with
+nothing else to follow. A guide that cannot stop and allows no token is a dead end, not an end:
+its mask row is all zero and the engine ends the sequence with an error. After a refused token
+(or a backend error) every row is all zero and every token is refused.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class MaskState:
         if self._failed:
             return False
         buf = self._ensure()
-        return not bool(np.any(buf & self._not_stop))
+        return bool(np.any(buf & self._stop_words)) and not bool(np.any(buf & self._not_stop))
 
     def allowed_token_ids(self) -> list[int]:
         """The ids the mask allows now (for tests and debugging)."""

@@ -1,17 +1,21 @@
 """Custom stop conditions, as request fields trtserver itself does not know.
 
-``stop_regex`` (a pattern or a list of up to ``MAX_PATTERNS`` patterns, Python ``regex`` syntax):
-generation stops at the earliest match in the generated text; the match is cut off like a stop
-string (kept with ``include_stop_str_in_output``) and ``stop_reason`` is the pattern that matched.
-A pattern that does not compile or that matches the empty string is a 400 naming ``stop_regex``.
+``stop_regex`` (a pattern or a list of up to ``MAX_PATTERNS`` patterns of at most
+``MAX_PATTERN_LENGTH`` characters, Python ``re`` syntax): generation stops at the earliest match in
+the generated text; the match is cut off like a stop string (kept with
+``include_stop_str_in_output``) and ``stop_reason`` is the pattern that matched. A pattern that does
+not compile, that matches the empty string, or that linear-time matching cannot run
+(backreferences, lookaround, atomic groups, possessive quantifiers; see ``linear.py``) is a 400
+naming ``stop_regex``.
 
-Streams never send text that could still become part of a match. ``hold`` uses the ``regex``
-module's partial matching: ``search(text, partial=True)`` finds the earliest position where a
-match either completes or runs into the end of the text; everything from there on is withheld
-until more text decides it. Because the text is only ever appended to, a match that would start
-before that position is impossible, so what was sent can never turn out to contain a match.
-Matches are decided on the text generated so far (``a+`` stops at the first ``a``; ``x$`` matches
-whenever the text so far ends in ``x``), identically for streamed and non-streamed requests.
+Patterns run on RE2 (``google-re2``), so matching costs time linear in the text, whatever the
+pattern. Streams never send text that could still become part of a match: ``hold`` finds, with
+the pattern's prefix closure, the earliest position from which the text could still grow into a
+match, and everything from there on is withheld until more text decides it. That position
+never moves back as the text grows, so both searches start there: each token rescans only the
+withheld tail. Matches are decided on the text generated so far (``a+`` stops at the first
+``a``; ``x$`` matches whenever the text so far ends in ``x``), identically for streamed and
+non-streamed requests.
 
 ``stop_after_lines: N`` (an integer >= 1): stop once N newline-terminated lines were generated; the
 text ends with the N-th newline and ``stop_reason`` is ``"lines:N"``.
@@ -20,14 +24,16 @@ text ends with the N-th newline and ``stop_reason`` is ``"lines:N"``.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import regex
+import re2
 
 from trtserver import hookimpl
 from trtserver.errors import InvalidRequest
 from trtserver.text import StopMatch
+from trtserver_stops.linear import UnsupportedPattern, translate
 
 if TYPE_CHECKING:
     from trtserver.protocol import CompletionRequest
@@ -40,28 +46,47 @@ MAX_PATTERNS = 16
 MAX_PATTERN_LENGTH = 1000
 
 
+class StopPattern(NamedTuple):
+    """A client's pattern as RE2 programs: the pattern itself and its prefix closure at the end."""
+
+    pattern: str
+    search: Any  # re2 pattern
+    partial: Any  # re2 pattern
+
+
 class RegexStop:
     """Stop at the earliest match of any of ``patterns``."""
 
-    def __init__(self, patterns: tuple[regex.Pattern[str], ...]) -> None:
+    def __init__(self, patterns: tuple[StopPattern, ...]) -> None:
         self.patterns = patterns
+        self._text = ""
+        self._floor = 0  # no match can start before this: the earliest possible start so far
+
+    def _follow(self, text: str) -> int:
+        if text is not self._text and not text.startswith(self._text):  # another text: start again
+            self._floor = 0
+        self._text = text
+        return min(self._floor, len(text))
 
     def find(self, text: str, new_from: int) -> StopMatch | None:
-        # a match may begin anywhere in the held-back tail, so search the whole text (short: it is
-        # one choice's completion) - the same call whether or not the request streams
+        floor = self._follow(text)
         best: StopMatch | None = None
-        for pattern in self.patterns:
-            match = pattern.search(text)
+        for stop in self.patterns:
+            match = stop.search.search(text, floor)
             if match is not None and (best is None or match.start() < best.start):
-                best = StopMatch(match.start(), match.end(), pattern.pattern)
+                best = StopMatch(match.start(), match.end(), stop.pattern)
+        if best is None:
+            self._floor = len(text) - self.hold(text)
         return best
 
     def hold(self, text: str) -> int:
+        floor = self._follow(text)
         earliest = len(text)
-        for pattern in self.patterns:
-            match = pattern.search(text, partial=True)
+        for stop in self.patterns:
+            match = stop.partial.search(text, floor)
             if match is not None:
                 earliest = min(earliest, match.start())
+        self._floor = earliest
         return len(text) - earliest
 
 
@@ -83,19 +108,28 @@ class LineStop:
         return 0  # a counted newline never un-happens: nothing to withhold
 
 
+def _re2(pattern: str) -> Any:
+    options = re2.Options()
+    options.log_errors = False
+    return re2.compile(pattern, options)
+
+
 @functools.lru_cache(maxsize=256)
-def compile_pattern(pattern: str) -> regex.Pattern[str]:
+def compile_pattern(pattern: str) -> StopPattern:
     try:
-        compiled = regex.compile(pattern)
-    except (regex.error, ValueError, OverflowError) as exc:
+        whole, partial = translate(pattern)
+        compiled = StopPattern(pattern, _re2(whole), _re2(partial))
+    except UnsupportedPattern as exc:
+        raise InvalidRequest(f"stop_regex {pattern!r} is not supported: {exc}", param="stop_regex") from exc
+    except (re.error, re2.error, ValueError, OverflowError, RecursionError) as exc:
         raise InvalidRequest(f"stop_regex {pattern!r} is not a valid regular expression: {exc}",
                              param="stop_regex") from exc
-    if compiled.fullmatch("") is not None:
+    if compiled.search.fullmatch("") is not None:
         raise InvalidRequest(f"stop_regex {pattern!r} matches the empty string", param="stop_regex")
     return compiled
 
 
-def parse_stop_regex(value: Any) -> tuple[regex.Pattern[str], ...]:
+def parse_stop_regex(value: Any) -> tuple[StopPattern, ...]:
     patterns = [value] if isinstance(value, str) else value
     if not isinstance(patterns, list) or not patterns or not all(isinstance(p, str) and p for p in patterns):
         raise InvalidRequest("stop_regex must be a non-empty string or a list of them", param="stop_regex")

@@ -5,6 +5,16 @@ side reads it with the same tokenizers library, byte-exact, special tokens exclu
 ``transformers`` is not needed. ``whitespace_pattern`` and ``disable_any_whitespace`` map to
 llguidance's ``whitespace_pattern`` / ``whitespace_flexible=False`` JSON options. llguidance
 follows JSON Schema literally: a missing ``additionalProperties`` allows extra properties.
+
+Limits. llguidance bounds its own work (``LLParserLimits``: lexer fuel, Earley items per row,
+grammar size) and, past a limit, puts the matcher in an error state rather than raising: a
+``guided_choice`` of 10,000 strings as one grammar rule exceeds the 2,000 items an Earley row may
+hold on the first token, and ``a{1000000}`` makes its lexer build too many derivative expressions.
+So a choice is one lexer terminal (an alternation the lexer matches, not 10,000 grammar rows), and
+each compile takes a first step on a copy (mask, one allowed token, mask): a guide that fails
+there is a 400 with llguidance's reason. A matcher that enters the error state later allows no
+token (an all-zero mask row) and refuses every token, so the engine ends that sequence with an
+error; it never reports such a state as the guide's end.
 """
 
 from __future__ import annotations
@@ -36,20 +46,33 @@ class LLGuidanceState(MaskState):
 
     def _compute(self, buf: np.ndarray) -> None:
         self._m.unsafe_compute_mask_ptr(self._ptr, self._nbytes)
+        if self._m.is_error():
+            self._failed = True
+            buf[:] = 0
 
     def _advance(self, token_id: int) -> bool:
         return bool(self._m.consume_token(token_id)) and not self._m.is_error()
 
     def _can_stop(self) -> bool:
+        if self._m.is_error():
+            return False
         return bool(self._m.is_accepting()) or bool(self._m.is_stopped())
 
     def _accept_stop(self, token_id: int) -> bool:
         return self._can_stop()
 
     def is_terminated(self) -> bool:
+        if self._m.is_error():
+            self._failed = True
+            return False
         if not self._stopped and not self._failed and self._m.is_stopped():
             return True
         return super().is_terminated()
+
+    @property
+    def error(self) -> str:
+        """llguidance's reason when the matcher is in its error state, else ''."""
+        return str(self._m.get_error()) if self._m.is_error() else ""
 
 
 class LLGuidanceDecoder:
@@ -91,17 +114,44 @@ class LLGuidanceBackend(Backend):
             elif spec.kind == "regex":
                 grammar = llguidance.LLMatcher.grammar_from_regex(str(spec.value))
             elif spec.kind == "choice":
-                items = list(spec.value) if isinstance(spec.value, tuple) else [spec.value]
-                grammar = llguidance.grammar_from("choice", json.dumps(items))
+                grammar = llguidance.grammar_from("lark", choice_lark(spec.value))
             else:
                 text = str(spec.value)
                 grammar = llguidance.grammar_from("grammar" if "::=" in text else "lark", text)
         except Exception as exc:
             raise InvalidRequest(f"llguidance cannot compile this {spec.kind} guide: {exc}") from exc
+        proto = self.lanes.run_here(lambda: self._matcher(grammar, lltok, spec), timeout)
+        decoder = LLGuidanceDecoder(proto, vocab, stop_words, not_stop)
+        first_step(decoder, spec)
+        return decoder
+
+    @staticmethod
+    def _matcher(grammar: str, lltok: Any, spec: GuideSpec) -> Any:
+        import llguidance
+
         error = llguidance.LLMatcher.validate_grammar(grammar, lltok)
         if error and not error.startswith("WARNING"):
             raise InvalidRequest(f"llguidance cannot compile this {spec.kind} guide: {error}")
         proto = llguidance.LLMatcher(lltok, grammar, log_level=0)
         if proto.is_error():
             raise InvalidRequest(f"llguidance cannot compile this {spec.kind} guide: {proto.get_error()}")
-        return LLGuidanceDecoder(proto, vocab, stop_words, not_stop)
+        return proto
+
+
+def choice_lark(choices: tuple[str, ...] | str) -> str:
+    items = [choices] if isinstance(choices, str) else list(choices)
+    return "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in items)
+
+
+def first_step(decoder: LLGuidanceDecoder, spec: GuideSpec) -> None:
+    """Mask, take one allowed token, mask again, on a fresh state: refuse what fails already."""
+    state = decoder.new_state()
+    assert isinstance(state, LLGuidanceState)
+    allowed = state.allowed_token_ids()
+    if not state.error and allowed and not state.is_terminated():
+        stops = set(decoder._vocab.eos_token_ids)
+        token = next((t for t in allowed if t not in stops), None)
+        if token is not None and state.accept_token(token):
+            state.allowed_token_ids()
+    if state.error:
+        raise InvalidRequest(f"llguidance cannot follow this {spec.kind} guide: {state.error.splitlines()[0]}")

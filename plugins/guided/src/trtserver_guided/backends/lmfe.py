@@ -7,19 +7,28 @@ U+FFFD: characters that only byte-piece tokens can spell cannot be produced by t
 LMFE is character-level and pure Python (about 1 ms per token); its allowed-token lists are
 turned into the bitmask with numpy. ``whitespace_pattern`` is refused (400);
 ``disable_any_whitespace`` sets LMFE's ``max_consecutive_whitespaces`` to 0.
+
+Bounds. LMFE turns a regex (``guided_regex``, or a ``pattern`` in a JSON schema) into a DFA with
+interegular, in pure Python and exponential in the worst case (``(a|b)*a(a|b){18}``: minutes).
+Those DFAs are therefore built in a killable subprocess (``worker.run_in_worker``, limited to
+``TRTSERVER_GUIDED_LMFE_MAX_MB``, default 2048 MiB) at compile time, never lazily while
+decoding; the parsers are then built around them here.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from trtserver.errors import InvalidRequest
 
 from trtserver_guided.backend import Backend, strip_anchors
+from trtserver_guided.limits import schema_patterns
 from trtserver_guided.state import MaskState
 from trtserver_guided.vocab import ids_to_words
+from trtserver_guided.worker import run_in_worker
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -28,6 +37,29 @@ if TYPE_CHECKING:
     from trtserver.guided import GuideSpec
 
     from trtserver_guided.vocab import Vocab
+
+MAX_MB = int(os.environ.get("TRTSERVER_GUIDED_LMFE_MAX_MB", "2048"))
+
+
+def lmfe_patterns(schema: Any) -> set[str]:
+    """The schema's ``pattern`` strings as LMFE keys its regex cache (no ``^`` / ``$``)."""
+    found: set[str] = set()
+    for value in schema_patterns(schema):
+        pattern = value.removeprefix("^")
+        found.add(pattern.removesuffix("$"))
+    return found
+
+
+def regex_parser(fsm: Any, alphabet: str) -> Any:
+    """LMFE's RegexParser around a DFA built elsewhere."""
+    from lmformatenforcer import CharacterLevelParserConfig, RegexParser
+
+    context = RegexParser._Context()
+    context.pattern = fsm
+    context.state_character_cache = {}
+    parser = RegexParser(context)
+    parser.config = CharacterLevelParserConfig(alphabet=alphabet)  # sets the "any other character" set
+    return parser
 
 
 class LMFEState(MaskState):
@@ -113,25 +145,36 @@ class LMFEBackend(Backend):
         vocab, tokdata, stop_words, not_stop = data
         kind, value = spec.kind, spec.value
         try:
+            schema = json.loads(str(value)) if kind == "json" else None  # dicts keep the client's key order
+        except ValueError as exc:
+            raise InvalidRequest(f"lm-format-enforcer cannot compile this {kind} guide: {exc}") from exc
+        pattern = strip_anchors(str(value)) if kind == "regex" else None
+        patterns = {pattern} if pattern is not None else lmfe_patterns(schema)
+        fsms = run_in_worker("interegular", {"patterns": sorted(patterns)}, timeout, self.lanes, MAX_MB) \
+            if patterns else {}
+        alphabet = tokdata.tokenizer_alphabet
+        if kind == "json":
+            cache = JsonSchemaParser._Context.regex_parser_cache  # LMFE's own, process-wide
+            for text, fsm in fsms.items():
+                cache.setdefault(text, regex_parser(fsm, alphabet))
+        try:
             if kind == "json":
-                schema = json.loads(str(value))  # dicts keep the client's key order
-
                 def make() -> Any:
                     return JsonSchemaParser(schema)
             elif kind == "json_object":
                 def make() -> Any:
                     return JsonSchemaParser({"type": "object"})
             elif kind == "regex":
-                pattern = strip_anchors(str(value))
+                shared = regex_parser(fsms[pattern], alphabet)
 
                 def make() -> Any:
-                    return RegexParser(pattern)
+                    return RegexParser(shared.context)
             else:
                 items = list(value) if isinstance(value, tuple) else [str(value)]
 
                 def make() -> Any:
                     return UnionParser([StringParser(c) for c in items])
-            make()  # validate now: a bad schema or regex is the client's 400, not a broken stream
+            make()  # validate now: a bad schema is the client's 400, not a broken stream
         except Exception as exc:
             raise InvalidRequest(f"lm-format-enforcer cannot compile this {kind} guide: {exc}") from exc
         return LMFEDecoder(make, tokdata, vocab, stop_words, not_stop, 0 if spec.disable_any_whitespace else None)

@@ -6,10 +6,9 @@ means no whitespace at all between JSON tokens (the default is outlines' ``[ ]?`
 
 Bounds. Regex -> DFA -> token index construction is exponential in the worst case (a top-level
 ``{"type":"string","maxLength":20}`` takes ~90 s and ~4 GB). Every compile therefore runs in a
-fresh subprocess with ``RLIMIT_AS`` (``TRTSERVER_GUIDED_OUTLINES_MAX_MB``, default 2048 MiB) and
-is killed at the request's ``compile_timeout_s``; at most ``TRTSERVER_GUIDED_OUTLINES_WORKERS``
-(default 2) such subprocesses run at once. The finished Index is pickled back (a small JSON
-schema's index is ~1.4 MB).
+fresh subprocess (``worker.run_in_worker``) with ``RLIMIT_AS`` (``TRTSERVER_GUIDED_OUTLINES_MAX_MB``,
+default 2048 MiB), inside the backend's compile lanes, and is killed at the request's
+``compile_timeout_s``. The finished Index is pickled back (a small JSON schema's index is ~1.4 MB).
 
 Known upstream bug (outlines-core <= 0.2.14): a transition from an accepting state into a
 non-accepting one is dropped, so ``1(\\.2)?`` cannot produce ``1.2`` and choice
@@ -20,20 +19,14 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
-import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from trtserver.errors import InvalidRequest
 
 from trtserver_guided.backend import Backend, strip_anchors
 from trtserver_guided.state import MaskState
+from trtserver_guided.worker import run_in_worker
 
 if TYPE_CHECKING:
     from trtserver.engine.base import TokenConstraint
@@ -41,9 +34,7 @@ if TYPE_CHECKING:
 
     from trtserver_guided.vocab import Vocab
 
-WORKER = Path(__file__).with_name("_outlines_worker.py")
 MAX_MB = int(os.environ.get("TRTSERVER_GUIDED_OUTLINES_MAX_MB", "2048"))
-_SLOTS = threading.BoundedSemaphore(int(os.environ.get("TRTSERVER_GUIDED_OUTLINES_WORKERS", "2")))
 
 
 class OutlinesState(MaskState):
@@ -111,35 +102,6 @@ class OutlinesBackend(Backend):
         else:
             value = choice_regex(spec.value)
         request = {"kind": spec.kind, "value": value, "whitespace_pattern": ws, "tokens": tokens,
-                   "eos": vocab.eos_token_ids[0], "max_bytes": MAX_MB << 20}
-        index = run_worker(request, timeout)
+                   "eos": vocab.eos_token_ids[0]}
+        index = run_in_worker("outlines", request, timeout, self.lanes, MAX_MB)
         return OutlinesDecoder(index, vocab, stop_words, not_stop)
-
-
-def run_worker(request: dict[str, Any], timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    if not _SLOTS.acquire(timeout=timeout):
-        raise InvalidRequest(f"guide compilation exceeded {timeout:g} s")
-    try:
-        env = dict(os.environ, MALLOC_ARENA_MAX="2", RAYON_NUM_THREADS="2")
-        proc = subprocess.Popen([sys.executable, "-I", str(WORKER)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        try:
-            out, err = proc.communicate(pickle.dumps(request), timeout=max(0.01, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            raise InvalidRequest(f"guide compilation exceeded {timeout:g} s") from None
-    finally:
-        _SLOTS.release()
-    if proc.returncode != 0 or not out:
-        tail = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-        if "memory" in tail[0].lower() or proc.returncode < 0:
-            raise InvalidRequest(f"outlines guide compilation exceeded the memory limit of {MAX_MB} MiB")
-        raise InvalidRequest(f"outlines cannot compile this guide: {tail[0]}")
-    status, payload = pickle.loads(out)
-    if status == "memory":
-        raise InvalidRequest(f"outlines guide compilation exceeded the memory limit of {MAX_MB} MiB")
-    if status != "ok":
-        raise InvalidRequest(f"outlines cannot compile this guide: {payload}")
-    return payload

@@ -5,17 +5,27 @@ The tokenizer info is built from the byte-exact vocabulary with special tokens s
 EOS ids as stop tokens. xgrammar has no whitespace regex: ``whitespace_pattern`` is refused
 with a 400 naming the backends that have one; ``disable_any_whitespace`` maps to
 ``any_whitespace=False``. xgrammar's own compile cache is disabled (ours bounds the entries).
+
+Bounds. xgrammar compiles in C++ (the GIL released) and cannot be interrupted, and a compile in a
+subprocess would cost more than the compile itself (importing xgrammar takes seconds, and
+shipping a large compiled grammar back costs more than compiling it). What makes its compiles
+long is refused up front instead: a guide whose text exceeds ``MAX_GUIDE_BYTES``
+(``TRTSERVER_GUIDED_XGRAMMAR_MAX_KB``, default 512 KiB), or whose counted repetitions unroll to
+more than ``MAX_REPEAT_WEIGHT`` (``TRTSERVER_GUIDED_XGRAMMAR_MAX_REPEAT``, default 4096) atoms
+(see ``limits.py``): ``[^x]{1,100000}`` or ``(.{1,1000}){1,1000}`` would take minutes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from trtserver.errors import InvalidRequest
 
 from trtserver_guided.backend import Backend
+from trtserver_guided.limits import grammar_weight, regex_weight, schema_patterns
 from trtserver_guided.state import MaskState
 
 if TYPE_CHECKING:
@@ -23,6 +33,9 @@ if TYPE_CHECKING:
     from trtserver.guided import GuideSpec
 
     from trtserver_guided.vocab import Vocab
+
+MAX_GUIDE_BYTES = int(os.environ.get("TRTSERVER_GUIDED_XGRAMMAR_MAX_KB", "512")) << 10
+MAX_REPEAT_WEIGHT = int(os.environ.get("TRTSERVER_GUIDED_XGRAMMAR_MAX_REPEAT", "4096"))
 
 
 class XGrammarState(MaskState):
@@ -76,6 +89,30 @@ class XGrammarBackend(Backend):
             raise InvalidRequest(
                 "guided decoding backend 'xgrammar' cannot honour whitespace_pattern; "
                 "use backend 'llguidance' or 'outlines', or disable_any_whitespace")
+        size = sum(len(c.encode()) for c in spec.value) if isinstance(spec.value, tuple) \
+            else len(spec.value.encode())
+        if size > MAX_GUIDE_BYTES:
+            raise InvalidRequest(f"guided decoding backend 'xgrammar' compiles guides of at most "
+                                 f"{MAX_GUIDE_BYTES >> 10} KiB; this one has {size >> 10} KiB")
+        weight = self._repeat_weight(spec)
+        if weight > MAX_REPEAT_WEIGHT:
+            raise InvalidRequest(f"guided decoding backend 'xgrammar' refuses this {spec.kind} guide: its counted "
+                                 f"repetitions ({{m,n}}) unroll to about {weight} items, more than "
+                                 f"{MAX_REPEAT_WEIGHT}")
+
+    @staticmethod
+    def _repeat_weight(spec: GuideSpec) -> int:
+        if spec.kind == "regex":
+            return regex_weight(str(spec.value))
+        if spec.kind == "grammar":
+            return grammar_weight(str(spec.value))
+        if spec.kind == "json":
+            try:
+                schema = json.loads(str(spec.value))
+            except ValueError:
+                return 0  # the compiler reports it
+            return max((regex_weight(p) for p in schema_patterns(schema)), default=0)
+        return 0
 
     def _load(self, vocab: Vocab) -> Any:
         import xgrammar as xgr
@@ -88,6 +125,11 @@ class XGrammarBackend(Backend):
     def _compile(self, spec: GuideSpec, data: tuple[Vocab, Any, np.ndarray, np.ndarray],
                  timeout: float) -> XGrammarDecoder:
         vocab, compiler, stop_words, not_stop = data
+        compiled = self.lanes.run_here(lambda: self._build(spec, compiler), timeout)
+        return XGrammarDecoder(compiled, vocab, stop_words, not_stop)
+
+    @staticmethod
+    def _build(spec: GuideSpec, compiler: Any) -> Any:
         any_ws = not spec.disable_any_whitespace
         try:
             if spec.kind == "json":
@@ -107,4 +149,4 @@ class XGrammarBackend(Backend):
                     compiled = compiler.compile_lark(text)
         except Exception as exc:  # the library's parse / compile errors
             raise InvalidRequest(f"xgrammar cannot compile this {spec.kind} guide: {exc}") from exc
-        return XGrammarDecoder(compiled, vocab, stop_words, not_stop)
+        return compiled
