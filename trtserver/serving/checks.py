@@ -14,6 +14,7 @@ from trtserver.config import ServerConfig
 from trtserver.engine.base import EngineInfo, Priority, SamplingParams
 from trtserver.errors import ContextLengthExceeded, InvalidRequest, NotFound, Unsupported
 from trtserver.protocol import CompletionRequest, GenerationFields
+from trtserver.text import check_stop_strings
 from trtserver.tokenizer import Tokenizer
 
 # more stop ids than this is a mistake, and a whole vocabulary of them leaves nothing to sample
@@ -85,6 +86,7 @@ def check_limits(request: GenerationFields, plan: Plan, config: ServerConfig, in
     if len(stops) > config.max_stop_sequences:
         raise InvalidRequest(f"stop may hold at most {config.max_stop_sequences} sequences, got {len(stops)}",
                              param="stop")
+    check_stop_strings(stops, param="stop")
     if plan.prompt_count > config.max_prompts:
         raise InvalidRequest(f"at most {config.max_prompts} prompts per request, got {plan.prompt_count}",
                              param="prompt")
