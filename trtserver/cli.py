@@ -1,4 +1,4 @@
-"""``trtserver serve | build | plugins``."""
+"""``trtserver serve | build | plugins | bundle``."""
 
 from __future__ import annotations
 
@@ -191,6 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     plugins_parser.add_argument("--plugin", action="append", help="also load this module or file")
     plugins_parser.add_argument("--json", action="store_true")
     plugins_parser.set_defaults(func=plugins_command)
+
+    bundle_parser = commands.add_parser("bundle", help="write an offline install bundle for an air-gapped host")
+    from trtserver.bundle import add_bundle_arguments, bundle_command
+
+    add_bundle_arguments(bundle_parser)
+    bundle_parser.set_defaults(func=bundle_command)
 
     args = parser.parse_args(argv)
     return int(args.func(args))
