@@ -3,7 +3,7 @@ GGUF model.
 
     python -m bench.harness                 # ours, the llama.cpp server, llama.cpp in process (~10 min)
     python -m bench.harness --quick         # fewer requests per scenario (~5 min)
-    python -m bench.harness --ours-only     # no peer (no llama-cpp-python install)
+    python -m bench.harness --ours-only --no-inproc   # ours alone (no llama-cpp-python install)
     python -m bench.harness --device cuda   # GPU: ours only, 1/16/64 streams, batch-1 memory-bandwidth roofline
 
 Request mix (temperature 0, 128 tokens each): one stream with a short and with a ~230-token prompt, then 4 and 16
