@@ -56,7 +56,7 @@ class BundleInfo:
 
     python_version: str
     platform: str
-    packages: list[str]  # third-party requirements, pinned
+    packages: list[str]  # third-party requirements, pinned where this environment's version has a wheel for the target
     projects: list[str]  # trtserver and its plugins, built from source
     bytes: int
     split: list[str]  # files carried in parts
@@ -161,16 +161,35 @@ def build_local_wheels(projects: list[tuple[str, Path]], dest: Path) -> None:
         raise BundleError(f"building our wheels failed: {done.stderr[-800:]}")
 
 
-def download(pins: list[Pin], python_version: str, platform: str, dest: Path) -> None:
-    """Binary wheels of ``pins`` for the target, without their dependencies (the closure has them)."""
+def download(pins: list[Pin], python_version: str, platform: str, dest: Path,
+             fetch: Callable[[list[str]], bool] | None = None) -> list[str]:
+    """Binary wheels of ``pins`` for the target, without their dependencies (the closure has them).
+
+    A version installed here that has no wheel for the target (a release that dropped the target's
+    Python) is replaced by the newest version that has one; returns the names so replaced.
+    """
     dest.mkdir(parents=True, exist_ok=True)
     base = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
             "--python-version", python_version, "--implementation", "cp", "-d", str(dest)]
     base += [arg for tag in PLATFORMS[platform] for arg in ("--platform", tag)]
-    if not pins or subprocess.run([*base, *map(str, pins)], capture_output=True).returncode == 0:
-        return
-    missing = [str(p) for p in pins if subprocess.run([*base, str(p)], capture_output=True).returncode != 0]
-    raise BundleError(f"no wheel for Python {python_version} on {platform}: {', '.join(missing)}")
+
+    def pip_download(requirements: list[str]) -> bool:
+        return subprocess.run([*base, *requirements], capture_output=True).returncode == 0
+
+    fetch = fetch or pip_download
+    if not pins or fetch([str(p) for p in pins]):
+        return []
+    replaced, missing = [], []
+    for pin in pins:
+        if fetch([str(pin)]):
+            continue
+        if pin.version is not None and fetch([pin.name]):
+            replaced.append(pin.name)
+        else:
+            missing.append(str(pin))
+    if missing:
+        raise BundleError(f"no wheel for Python {python_version} on {platform}: {', '.join(missing)}")
+    return replaced
 
 
 def sha256(path: Path) -> str:
@@ -262,7 +281,8 @@ def write_bundle(out: Path, *, python_version: str, platform: str, source: Path 
         shutil.rmtree(staging)
     wheels = staging / "wheels"
     build_local_wheels(projects, wheels)
-    download(pins, python_version, platform, wheels)
+    replaced = set(download(pins, python_version, platform, wheels))
+    pins = [Pin(p.name, None) if p.name in replaced else p for p in pins]
     if engine_dir is not None:
         shutil.copytree(engine_dir, staging / "engines" / engine_dir.name, symlinks=False)
     elif with_model:

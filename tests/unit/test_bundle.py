@@ -159,3 +159,23 @@ def test_install_sh_refuses_a_damaged_part(tmp_path: Path) -> None:
     done = install(root, tmp_path / "venv")
     assert done.returncode == 1 and "missing or damaged" in done.stderr
     assert not (tmp_path / "venv").exists()
+
+
+def test_a_version_with_no_wheel_for_the_target_gives_way_to_the_newest_that_has_one(tmp_path: Path) -> None:
+    # what PyPI holds for the target, as pip download would find it: numpy 2.4 dropped Python 3.10
+    available = {"numpy": {"2.2.6"}, "msgspec": {"0.19.0"}}
+    asked: list[list[str]] = []
+
+    def fetch(requirements: list[str]) -> bool:
+        asked.append(requirements)
+        for req in requirements:
+            name, _, version = req.partition("==")
+            if name not in available or (version and version not in available[name]):
+                return False
+        return True
+
+    pins = [Pin("msgspec", "0.19.0"), Pin("numpy", "2.4.6")]
+    assert bundle.download(pins, "3.10", "linux-aarch64", tmp_path, fetch=fetch) == ["numpy"]
+    assert asked[-1] == ["numpy"]
+    with pytest.raises(BundleError, match="no wheel for Python 3.10 on linux-aarch64: absent==1.0"):
+        bundle.download([*pins, Pin("absent", "1.0")], "3.10", "linux-aarch64", tmp_path, fetch=fetch)
