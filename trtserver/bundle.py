@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import metadata
@@ -152,11 +153,23 @@ def local_projects(source: Path, plugins: list[str] | None) -> list[tuple[str, P
     return projects
 
 
+# Left out of the copy each wheel is built from: build outputs, caches, and what no wheel carries.
+NOT_PACKAGED = shutil.ignore_patterns(".git", ".venv", "engines", ".cache", "build", "dist", "*.egg-info",
+                                      "__pycache__", ".*_cache", "tests", "bench", "docs", "plugins")
+
+
 def build_local_wheels(projects: list[tuple[str, Path]], dest: Path) -> None:
+    """Wheels of our own projects, each built from a clean copy (the checkout is left as it was)."""
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dest),
-           *(str(folder) for _, folder in projects)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(prefix="trtserver-bundle-") as tmp:
+        copies = []
+        for name, folder in projects:
+            copy = Path(tmp) / name
+            shutil.copytree(folder, copy, ignore=NOT_PACKAGED)
+            copies.append(str(copy))
+        cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dest),
+               *copies]
+        done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise BundleError(f"building our wheels failed: {done.stderr[-800:]}")
 
