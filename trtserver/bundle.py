@@ -153,6 +153,13 @@ def local_projects(source: Path, plugins: list[str] | None) -> list[tuple[str, P
     return projects
 
 
+def with_extras(name: str, folder: Path) -> str:
+    """``name[extra,...]`` with every optional feature a user runs (a plugin's backends), never its test tools."""
+    optional = tomllib.loads((folder / "pyproject.toml").read_text())["project"].get("optional-dependencies", {})
+    extras = sorted(set(optional) - {"test", "dev"})
+    return f"{name}[{','.join(extras)}]" if extras else name
+
+
 # Left out of the copy each wheel is built from: build outputs, caches, and what no wheel carries.
 NOT_PACKAGED = shutil.ignore_patterns(".git", ".venv", "engines", ".cache", "build", "dist", "*.egg-info",
                                       "__pycache__", ".*_cache", "tests", "bench", "docs", "plugins")
@@ -287,7 +294,8 @@ def write_bundle(out: Path, *, python_version: str, platform: str, source: Path 
     if engine_dir is not None and not (engine_dir / "trtserver.json").is_file():
         raise BundleError(f"{engine_dir} is not an engine directory (no trtserver.json)")
     projects = local_projects(source, plugins)
-    pins = closure([name for name, _ in projects], target_environment(python_version, platform),
+    roots = [with_extras(name, folder) for name, folder in projects]
+    pins = closure(roots, target_environment(python_version, platform),
                    {name for name, _ in projects})
     staging = out.with_name(out.name + ".partial")
     if staging.exists():
@@ -301,7 +309,7 @@ def write_bundle(out: Path, *, python_version: str, platform: str, source: Path 
     elif with_model:
         (staging / "model").mkdir()
         shutil.copy2(model_wheel(), staging / "model")
-    lines = [*(str(p) for p in pins), *(name for name, _ in projects)]
+    lines = [*(str(p) for p in pins), *roots]
     (staging / "requirements.txt").write_text("\n".join(lines) + "\n")
     (staging / "install.sh").write_text(INSTALL_SH)
     (staging / "install.sh").chmod(0o755)

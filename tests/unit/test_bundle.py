@@ -60,9 +60,11 @@ def test_closure_leaves_the_targets_torch_alone() -> None:
 
 def test_closure_of_this_project_pins_what_is_installed_here() -> None:
     projects = local_projects(ROOT, None)
-    pins = closure([n for n, _ in projects], target_environment("3.11", "linux-x86_64"), {n for n, _ in projects})
+    roots = [bundle.with_extras(n, f) for n, f in projects]
+    pins = closure(roots, target_environment("3.11", "linux-x86_64"), {n for n, _ in projects})
     by_name = {p.name: p.version for p in pins}
-    assert by_name["msgspec"] and by_name["aiohttp"] and "torch" not in by_name and "trtserver" not in by_name
+    assert by_name["msgspec"] and by_name["aiohttp"] and by_name["xgrammar"]
+    assert "torch" not in by_name and "trtserver" not in by_name and "pytest" not in by_name
 
 
 def test_local_projects_are_trtserver_and_the_chosen_plugins(tmp_path: Path) -> None:
@@ -71,6 +73,11 @@ def test_local_projects_are_trtserver_and_the_chosen_plugins(tmp_path: Path) -> 
     assert every[0] == ("trtserver", ROOT) and [f.name for _, f in every[1:]] == folders
     assert [n for n, _ in local_projects(ROOT, ["guided"])] == ["trtserver", "trtserver-guided"]
     assert local_projects(ROOT, []) == [("trtserver", ROOT)]
+    guided = ROOT / "plugins" / "guided"
+    assert bundle.with_extras("trtserver-guided", guided).startswith("trtserver-guided[")
+    assert "xgrammar" in bundle.with_extras("trtserver-guided", guided) and "test" not in bundle.with_extras(
+        "trtserver-guided", guided)
+    assert bundle.with_extras("trtserver", ROOT) == "trtserver"  # its dev tools stay home
     with pytest.raises(BundleError, match="no such plugin"):
         local_projects(ROOT, ["nope"])
     with pytest.raises(BundleError, match="not a trtserver checkout"):
