@@ -316,9 +316,10 @@ def write_bundle(out: Path, *, python_version: str, platform: str, source: Path 
     files = sorted(p for p in staging.rglob("*") if p.is_file() and p.name != "SHA256SUMS")
     sums = [f"{sha256(p)}  {p.relative_to(staging)}" for p in files]
     (staging / "SHA256SUMS").write_text("\n".join(sums) + "\n")
+    size = sum(p.stat().st_size for p in files)
     split = split_large_files(staging, part_size) if part_size else []
-    info = BundleInfo(python_version, platform, [str(p) for p in pins], [name for name, _ in projects],
-                      sum(p.stat().st_size for p in files), [str(p.relative_to(staging)) for p in split])
+    info = BundleInfo(python_version, platform, [str(p) for p in pins], [name for name, _ in projects], size,
+                      [str(p.relative_to(staging)) for p in split])
     (staging / "bundle.json").write_text(json.dumps(dataclasses.asdict(info), indent=1) + "\n")
     if out.exists():
         shutil.rmtree(out)

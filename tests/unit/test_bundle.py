@@ -186,3 +186,33 @@ def test_a_version_with_no_wheel_for_the_target_gives_way_to_the_newest_that_has
     assert asked[-1] == ["numpy"]
     with pytest.raises(BundleError, match="no wheel for Python 3.10 on linux-aarch64: absent==1.0"):
         bundle.download([*pins, Pin("absent", "1.0")], "3.10", "linux-aarch64", tmp_path, fetch=fetch)
+
+
+def test_write_bundle_lays_out_wheels_engine_dir_sums_and_parts(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = tmp_path / "tiny-engine"
+    engine.mkdir()
+    (engine / "trtserver.json").write_text("{}")
+    weights = os.urandom(2 * bundle.MIB + 3)
+    (engine / "model.safetensors").write_bytes(weights)
+    fetched: list[list[str]] = []
+
+    def no_network(pins: list[Pin], python_version: str, platform: str, dest: Path) -> list[str]:
+        fetched.append([str(p) for p in pins])  # PyPI stands outside the test: what would be asked for
+        return ["numpy"]
+
+    monkeypatch.setattr(bundle, "download", no_network)
+    out = tmp_path / "bundle"
+    info = bundle.write_bundle(out, python_version="3.10", platform="linux-aarch64", plugins=[], engine_dir=engine,
+                               part_size=bundle.MIB)
+    assert [w.name.split("-")[0] for w in (out / "wheels").glob("*.whl")] == ["trtserver"]
+    assert any(p.startswith("msgspec==") for p in fetched[0]) and "numpy" in info.packages
+    requirements = (out / "requirements.txt").read_text().split()
+    assert "numpy" in requirements and requirements[-1] == "trtserver"
+    assert info.split == ["engines/tiny-engine/model.safetensors"] and info.bytes > len(weights)
+    assert sorted(p.name for p in (out / "engines" / "tiny-engine").iterdir()) == [
+        "model.safetensors.part000", "model.safetensors.part001", "model.safetensors.part002", "trtserver.json"]
+    sums = (out / "SHA256SUMS").read_text()
+    assert f"{hashlib.sha256(weights).hexdigest()}  engines/tiny-engine/model.safetensors" in sums
+    assert "  install.sh" in sums and "  wheels/trtserver-" in sums
+    assert not (tmp_path / "bundle.partial").exists() and not (ROOT / "build").exists()
