@@ -51,7 +51,7 @@ gpu-check: engines
 	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
 		$(PY) -m bench.harness --device cuda --no-profile --max-minutes 3; \
 	else echo "gpu-check: no CUDA device: the harness is skipped; the HTTP suite runs on the CPU"; exit_code=1; fi; \
-	$(PY) bench/gpu_check.py --skip-build && exit $${exit_code:-0}
+	$(PY) bench/gpu_check.py --skip-build --budget 300 && exit $${exit_code:-0}
 
 # an offline install bundle for an air-gapped host (docs/deploy.md, "Air-gapped hosts"), e.g.
 #   make bundle BUNDLE_ARGS="--python-version 3.10 --platform linux-aarch64 --part-size 2G"
