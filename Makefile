@@ -12,8 +12,10 @@ PLUGINS := $(wildcard plugins/*/pyproject.toml)
 PYTEST_ARGS ?=
 # Debian packages the tests run for real (tests/replicas, plugins/redis_quota, the playground's browser tests)
 SYSTEM_PACKAGES ?= redis-server nginx openssl chromium chromium-driver
+BUNDLE ?= dist/bundle
+BUNDLE_ARGS ?=
 
-.PHONY: install system-packages engines serve test test-unit lint bench gpu-check devkit clean
+.PHONY: install system-packages engines serve test test-unit lint bench gpu-check bundle clean
 
 install: $(VENV)/.installed
 
@@ -53,16 +55,21 @@ lint: install
 	$(VENV)/bin/ruff check trtserver build_engines plugins tests bench
 	$(VENV)/bin/mypy trtserver build_engines
 
+# ours against llama.cpp on the same model: writes bench/results/<machine-label>.md afresh, raw runs to bench/out/
 bench: engines
 	$(PY) -m bench.harness $(BENCH_ARGS)
 
-# the engine, bench.harness --device cuda (1/16/64 streams, roofline), then the HTTP suite on it; 8 minutes at most
-gpu-check: install
-	PYTHON=$(PY) OUT=bench/out/gpu-check RUN_S=480 bash bench/device_check.sh check
+# on a machine with a CUDA GPU: bench.harness --device cuda (1/16/64 streams, roofline), then the HTTP suite on CUDA
+gpu-check: engines
+	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+		$(PY) -m bench.harness --device cuda --no-profile --max-minutes 3; \
+	else echo "gpu-check: no CUDA device: the harness is skipped; the HTTP suite runs on the CPU"; exit_code=1; fi; \
+	$(PY) bench/gpu_check.py --skip-build --budget 300 && exit $${exit_code:-0}
 
-# for a lent GPU machine with no network: wheels and the model in two parts (README, "The GPU check on a lent machine")
-devkit: install
-	$(PY) -m bench.device_kit
+# an offline install bundle for an air-gapped host (docs/deploy.md, "Air-gapped hosts"), e.g.
+#   make bundle BUNDLE_ARGS="--python-version 3.10 --platform linux-aarch64 --part-size 2G"
+bundle: install
+	$(VENV)/bin/trtserver bundle $(BUNDLE) $(BUNDLE_ARGS)
 
 clean:
-	rm -rf $(VENV) engines .cache .devkit .devkit.new
+	rm -rf $(VENV) engines .cache $(BUNDLE) $(BUNDLE).partial

@@ -1,5 +1,5 @@
-"""The HTTP-suite half of ``make gpu-check`` (``bench/device_check.sh check`` runs it after the CUDA harness):
-build the default engine, serve it, run the HTTP suite against it, print one table.
+"""The HTTP-suite half of ``make gpu-check`` (run after ``bench.harness --device cuda``): build the default
+engine, serve it, run the HTTP suite against it, print one table.
 
 With TensorRT-LLM (and a CUDA GPU, and an engine it built) the server runs ``--engine trtllm``;
 otherwise it says so and runs the same suite on the PyTorch engine, on CUDA when available.

@@ -1,18 +1,20 @@
-"""``make bench``: our server against llama.cpp's (llama-cpp-python's server) on the same GGUF model, one client.
+"""``make bench``: our server against llama.cpp (llama-cpp-python's server, and llama.cpp in process) on the same
+GGUF model.
 
-    .venv/bin/python -m bench.harness                 # full run: ours, the peer, in-process; appends bench/RESULTS.md
-    .venv/bin/python -m bench.harness --quick         # fewer requests per scenario (a few minutes)
-    .venv/bin/python -m bench.harness --ours-only     # no peer (no llama-cpp-python install)
-    .venv/bin/python -m bench.harness --first-slice   # the first-slice report: ours only, 1/4/16 streams, RSS
-    .venv/bin/python -m bench.harness --device cuda   # GPU box: ours only, 1/16/64 streams, HBM roofline at batch 1
+    python -m bench.harness                 # ours, the llama.cpp server, llama.cpp in process (~10 min)
+    python -m bench.harness --quick         # fewer requests per scenario (~5 min)
+    python -m bench.harness --ours-only --no-inproc   # ours alone (no llama-cpp-python install)
+    python -m bench.harness --device cuda   # GPU: ours only, 1/16/64 streams, batch-1 memory-bandwidth roofline
 
-Scenarios (temperature 0, 128 tokens each): one stream with a short and a ~230-token prompt, then 4 and 16
+Request mix (temperature 0, 128 tokens each): one stream with a short and with a ~230-token prompt, then 4 and 16
 concurrent closed-loop streams; aggregate tokens/s, p50/p99 latency, time to first token; RSS and start-up time.
-Both servers are up together and each scenario runs on ours, then right after on the peer: this machine's speed
-drifts by tens of percent over minutes, and a ratio is only worth something when its two figures are seconds apart.
-The peer runs from its own venv (``.cache/bench-llamacpp-venv``, installed on first use, reused after).
-Everything is bounded (per-request timeouts, start-up timeouts, ``--max-minutes``), loopback only, and every
-process started is stopped on the way out.
+Both servers are up together and each scenario runs on ours, then right after on the peer, so that each ratio
+compares figures taken seconds apart even on a machine whose speed drifts.
+
+The report is written afresh to ``bench/results/<machine-label>.md`` (one file per machine; ``--label`` names it),
+and a copy with the server commands, notes and profiles to ``bench/out/``. The peer runs from its own venv
+(``.cache/bench-llamacpp-venv``, installed on first use). Everything is bounded (per-request and start-up timeouts,
+``--max-minutes``), loopback only, and every process started is stopped on the way out.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import contextlib
 import datetime as dt
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -40,6 +41,7 @@ from bench.report import (
     git_revision,
     gpu_name,
     llamacpp_version,
+    machine_label,
     machine_line,
     weight_params,
 )
@@ -47,7 +49,7 @@ from bench.rounds import drive
 
 ROOT = peers.ROOT
 DEFAULT_ENGINE = ROOT / "engines" / "SmolLM2-135M-Instruct"
-RESULTS = ROOT / "bench" / "RESULTS.md"
+RESULTS_DIR = ROOT / "bench" / "results"
 
 
 def start_server(server: peers.Server, run: ServerRun, args: argparse.Namespace) -> None:
@@ -86,8 +88,6 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer requests per scenario")
     ap.add_argument("--ours-only", action="store_true", help="skip the llama.cpp peer")
-    ap.add_argument("--first-slice", action="store_true",
-                    help="first-slice report: ours only; 1 stream decode, aggregate at 1/4/16 streams, RSS")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: ours only, 1/16/64 streams, roofline")
     ap.add_argument("--peak-bw-gbs", type=float, default=None,
                     help="GPU peak memory bandwidth in GB/s (default: by GPU name, e.g. H200 = 4800)")
@@ -104,11 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start-timeout", type=float, default=180.0)
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--max-minutes", type=float, default=45.0, help="skip what is left after this long")
-    ap.add_argument("--results", type=Path, default=RESULTS)
-    ap.add_argument("--no-append", dest="append", action="store_false", help="print only; leave RESULTS.md alone")
+    ap.add_argument("--label", default=None, help="the results file's name (default: from the CPU or GPU)")
+    ap.add_argument("--results", type=Path, default=None,
+                    help="where the report goes (default: bench/results/<label>.md)")
+    ap.add_argument("--no-write", dest="write", action="store_false", help="print only; write no files")
     args = ap.parse_args(argv)
     gpu = args.device != "cpu"
-    ours_only = args.ours_only or args.first_slice or gpu
+    ours_only = args.ours_only or gpu
     t_start = time.monotonic()
     load_before = os.getloadavg()
     revision = git_revision()  # the code the server runs is the working tree at start-up
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     llama_py: Path | None = None
     gguf: Path | None = None
-    if not ours_only or (args.inproc and not gpu and not args.first_slice):
+    if not ours_only or (args.inproc and not gpu):
         llama_py = peers.ensure_llamacpp_venv()
         gguf = (args.gguf or peers.find_gguf()).resolve()
         print(f"[bench] peer: llama-cpp-python {llamacpp_version(llama_py)} on {gguf}", flush=True)
@@ -157,11 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(drive(driven, args, deadline))
     dtype = args.ours_dtype
 
-    extra_rows: list[tuple[str, str, str, str, str]] = []
     notes = ours.notes + (peer.notes if peer else [])
     inproc_results: dict[str, dict[str, Any]] = {}
     paired: dict[str, Any] = {}
-    floor: dict[str, Any] = {}
     if args.inproc and time.monotonic() < deadline:
         repeat = ["--repeat", "1" if args.quick else "3", "--tokens", str(args.tokens)]
         rounds = 4 if args.quick else 12
@@ -169,109 +169,90 @@ def main(argv: list[str] | None = None) -> int:
                               "--rounds", str(rounds), "--tokens", str(args.tokens), "--dtype", dtype,
                               "--device", args.device, f"--ours-args={args.ours_args}"],
                              min(900.0, max(60.0, deadline + 60 - time.monotonic())))  # --max-minutes binds it too
-        if args.device == "cpu" and dtype == "auto" and not args.ours_args.strip():  # the server's defaults only
-            floor = result_line([sys.executable, "-m", "bench.loop_floor", "--json", "--engine-dir", str(engine_dir),
-                                 "--rounds", "4" if args.quick else "8", "--tokens", str(args.tokens)], 600)
         if llama_py is not None and gguf is not None:
             for t in (1, 2):
                 inproc_results[f"llamacpp{t}"] = inproc(llama_py, "llamacpp",
                                                         ["--gguf", str(gguf), "--threads", str(t), *repeat], 900)
 
     single = ours.loads.get("1 stream, short prompt") or ours.loads.get("1 stream")
-    gaps = [r.inter_chunk_s for r in single.ok] if single is not None else []
-    http_ms = 1000 * statistics.median(gaps) if gaps else float("nan")  # a decode step as a client sees it
-    if "overhead_pct" in paired:
-        extra_rows.append(("ours: time per token, over HTTP / through engine.generate with no server, alternating "
-                           "request by request (ms, medians)", f"{paired['http_ms']:.2f} / {paired['inproc_ms']:.2f}",
-                           "-", "-", ""))
-        extra_rows.append((f"ours: server overhead per streamed token, wall clock (median of {paired['rounds']} "
-                           "paired rounds; their range)",
-                           f"{paired['overhead_pct']:+.1f} % ({paired['overhead_pct_min']:+.1f} to "
-                           f"{paired['overhead_pct_max']:+.1f} %)", "-", "-", "< 2 % of a decode step"))
-        extra_rows.append(("ours: event-loop CPU per streamed token in those rounds, against their step without HTTP",
-                           f"{paired['loop_cpu_ms']:.3f} ms = {paired['loop_cpu_pct']:.1f} %", "-", "-",
-                           "< 2 % of a decode step"))
-        extra_rows.append(("ours engine.generate with no server (TorchEngine): decode tokens/s, batch 1",
-                           fmt(1000 / paired["inproc_ms"]), "-", "-", ""))
-    elif paired:
-        notes.append(f"paired overhead run failed: {paired.get('error', '')[:200]}")
-    if "floor_cpu_ms" in floor:
-        extra_rows.append((f"the floor under that row: loop CPU per token that only wakes on the engine's frame and "
-                           f"writes one prebuilt event to a loopback client (`bench.loop_floor`, median of "
-                           f"{floor['rounds']} rounds paired with the server's)",
-                           f"{floor['floor_cpu_ms']:.3f} ms = {floor['floor_pct']:.1f} % (server "
-                           f"{floor['server_cpu_ms']:.3f} ms = {floor['server_pct']:.1f} %)", "-", "-",
-                           "< 2 % of a decode step"))
-    elif floor:
-        notes.append(f"loop floor run failed: {floor.get('error', '')[:200]}")
-    name1 = "1 stream, short prompt" if "1 stream, short prompt" in ours.loads else "1 stream"
-    if single is not None and ours.cpu_s.get(name1):
-        main_cpu, all_cpu = ours.main_cpu_s[name1], ours.cpu_s[name1]
-        engine_cpu = all_cpu - main_cpu
-        per_token_ms = 1e3 * main_cpu / max(single.tokens, 1)
-        extra_rows.append(("ours: event-loop thread CPU per streamed token (HTTP + detokenize + SSE), 1 stream",
-                           f"{per_token_ms:.2f} ms = {fmt(100 * per_token_ms / http_ms, '.1f')} % of a decode step's "
-                           f"time ({fmt(http_ms, '.1f')} ms), "
-                           f"{fmt(100 * main_cpu / engine_cpu if engine_cpu else float('nan'), '.1f')} % of its CPU "
-                           "(the engine's threads)", "-", "-", "< 2 % of a decode step"))
-    llama_best = max((v.get("decode_tps", 0.0) for k, v in inproc_results.items() if k.startswith("llamacpp")),
-                     default=0.0)
+    sections: list[tuple[str, list[str]]] = [
+        ("Ours against the llama.cpp server" if peer else "Ours", build_table(ours, peer))]
+
+    inproc_rows = []
     for key, v in inproc_results.items():
         if "decode_tps" not in v:
             notes.append(f"in-process {key} failed: {v.get('error', '')[:200]}")
-            continue
-        label = f"llama.cpp in-process (Llama, n_threads {v.get('threads')})"
-        extra_rows.append((f"{label}: decode tokens/s, batch 1", fmt(v["decode_tps"]), "-", "-", ""))
-    if single is not None and llama_best:
-        extra_rows.append(("stretch: ours 1 stream over HTTP / best llama.cpp in-process", fmt(single.per_stream_tps),
-                           fmt(llama_best), f"{fmt(single.per_stream_tps / llama_best, '.2f')}×", "≥ 1.0×"))
+        elif single is not None:
+            inproc_rows.append(f"| 1 stream: decode tokens/s (llama.cpp n_threads {v.get('threads')}) | "
+                               f"{fmt(single.per_stream_tps)} | {fmt(v['decode_tps'])} | "
+                               f"{fmt(single.per_stream_tps / v['decode_tps'], '.2f')}× |")
+    if inproc_rows:
+        sections.append(("Ours over HTTP against llama.cpp in process (`llama_cpp.Llama`, no server)",
+                         ["| metric | ours over HTTP | llama.cpp in process | ours/peer |", "|---|---:|---:|---:|",
+                          *inproc_rows]))
+
+    if "overhead_pct" in paired:
+        sections.append(("Ours over HTTP against our engine with no server (`python -m bench.overhead`)", [
+            "| metric | value |", "|---|---:|",
+            f"| time per token, over HTTP / through `engine.generate` with no server (ms, medians) | "
+            f"{paired['http_ms']:.2f} / {paired['inproc_ms']:.2f} |",
+            f"| server overhead per streamed token, wall clock (median of {paired['rounds']} paired rounds; range) | "
+            f"{paired['overhead_pct']:+.1f} % ({paired['overhead_pct_min']:+.1f} to "
+            f"{paired['overhead_pct_max']:+.1f} %) |",
+            f"| event-loop CPU per streamed token, against the step without HTTP | "
+            f"{paired['loop_cpu_ms']:.3f} ms = {paired['loop_cpu_pct']:.1f} % |",
+            f"| `engine.generate` with no server: decode tokens/s, batch 1 | {fmt(1000 / paired['inproc_ms'])} |"]))
+    elif paired:
+        notes.append(f"paired overhead run failed: {paired.get('error', '')[:200]}")
 
     if gpu and single is not None:
         params = weight_params(engine_dir)
         serve_dtype = dtype if dtype in _ITEMSIZE else "bfloat16"  # auto on CUDA serves bfloat16
-        weight_bytes = params * _ITEMSIZE[serve_dtype]
         name = gpu_name()
         peak = args.peak_bw_gbs or default_peak_bw(name)
-        achieved = weight_bytes * single.per_stream_tps / 1e9
+        achieved = params * _ITEMSIZE[serve_dtype] * single.per_stream_tps / 1e9
         frac = f"{100 * achieved / peak:.2f} % of {peak:.0f} GB/s" if peak else "n/a (pass --peak-bw-gbs)"
-        extra_rows.append((f"batch-1 HBM roofline ({name or 'GPU'}): {params / 1e6:.1f} M params × "
-                           f"{_ITEMSIZE[serve_dtype]} B ({serve_dtype}) per token", f"{achieved:.1f} GB/s", "-",
-                           "-", frac))
+        sections.append((f"Batch-1 memory-bandwidth roofline ({name or 'GPU'})", [
+            "| weights read per token | achieved | of peak |", "|---|---:|---:|",
+            f"| {params / 1e6:.1f} M params × {_ITEMSIZE[serve_dtype]} B ({serve_dtype}) | {achieved:.1f} GB/s | "
+            f"{frac} |"]))
 
-    kind = "first slice" if args.first_slice else ("GPU" if gpu else ("ours only" if ours_only else "vs llama.cpp"))
+    kind = "GPU" if gpu else ("ours only" if ours_only else "against llama.cpp")
     cmd = "python -m bench.harness " + " ".join(argv if argv is not None else sys.argv[1:])
     stamp = dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    lines = [f"## {stamp}: {kind}{' (quick)' if args.quick else ''}", "",
-             f"- command: `{cmd.strip()}`", f"- machine: {machine_line(args)}", f"- code: {revision}",
-             f"- model: {engine_dir.name}; {args.tokens} tokens per request, temperature 0; "
-             f"took {(time.monotonic() - t_start) / 60:.1f} min",
-             "- noise: load average (1/5/15 min) at start {:.1f}/{:.1f}/{:.1f}, at end {:.1f}/{:.1f}/{:.1f} "
-             "on {} cores (other processes share this machine; the CPU-second rows are less sensitive to that)".format(
-                 *load_before, *os.getloadavg(), os.cpu_count())]
+    mix = ", ".join(f"{name} ({len(load.results)} requests)" for name, load in ours.loads.items())
+    lines = [f"# {kind}{' (quick)' if args.quick else ''}: {stamp}", "",
+             f"- hardware: {machine_line(args)}",
+             f"- model: {engine_dir.name}" + (f"; the peer serves the same weights from `{gguf.name}`" if gguf else ""),
+             f"- request mix: {args.tokens} tokens per request, temperature 0; {mix}",
+             f"- command: `{cmd.strip()}` (took {(time.monotonic() - t_start) / 60:.1f} min)",
+             f"- code: {revision}",
+             "- load average (1/5/15 min) at start {:.1f}/{:.1f}/{:.1f}, at end {:.1f}/{:.1f}/{:.1f} "
+             "on {} cores".format(*load_before, *os.getloadavg(), os.cpu_count())]
     if llama_py is not None:
-        lines.append(f"- peer: llama-cpp-python {llamacpp_version(llama_py)}, GGUF `{gguf.name if gguf else '?'}`, "
-                     f"--n_threads {args.peer_threads}")
-    lines.append("")
-    lines += build_table(ours, peer, extra_rows)
-    lines.append("")
-    lines += [f"- {n}" for n in notes]
-    counted = {f"{r.name}: {ld.counted_by}" for r in (ours, peer) if r for ld in r.loads.values()}
-    lines.append(f"- token counting: {', '.join(sorted(counted))} (usage = stream_options.include_usage; "
-                 "chunks = one SSE chunk per token)")
-    lines.append("- ratio column: ours/peer; ↑ = higher is better, ↓ = lower is better. p99 over few samples is "
-                 "the maximum.")
-    for streams, text in ours.profile.items():
-        lines += ["", f"py-spy of our server during an extra (unmeasured) {streams}-stream round "
-                  f"(`py-spy record --nonblocking --threads --rate 50`, {args.profile_seconds} s):", "", "```",
-                  text, "```"]
+        lines.append(f"- peer: llama-cpp-python {llamacpp_version(llama_py)}, --n_threads {args.peer_threads}")
+    for title, table in sections:
+        lines += ["", f"## {title}", "", *table]
+    lines += ["", "ours/peer: ↑ higher is better, ↓ lower is better; p99 over few samples is the maximum."]
     report = "\n".join(lines) + "\n"
-    print("\n" + report, flush=True)
-    if args.append:
-        if not args.results.exists():
-            args.results.write_text("# Benchmark results\n\nAppended by `python -m bench.harness`; newest last.\n\n")
-        with args.results.open("a") as f:
-            f.write(report + "\n")
-        print(f"[bench] appended to {args.results}", flush=True)
+    counted = {f"{r.name}: {ld.counted_by}" for r in (ours, peer) if r for ld in r.loads.values()}
+    raw = [report, "## Notes", "", *[f"- {n}" for n in notes],
+           f"- token counting: {', '.join(sorted(counted))} (usage = stream_options.include_usage; "
+           "chunks = one SSE chunk per token)"]
+    for streams, text in ours.profile.items():
+        raw += ["", f"py-spy of our server during an extra (unmeasured) {streams}-stream round "
+                f"(`py-spy record --nonblocking --threads --rate 50`, {args.profile_seconds} s):", "", "```",
+                text, "```"]
+    print("\n" + "\n".join(raw), flush=True)
+    if args.write:
+        label = args.label or machine_label(args.device)
+        results = args.results or RESULTS_DIR / f"{label}.md"
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(report)
+        peers.OUT.mkdir(parents=True, exist_ok=True)
+        raw_path = peers.OUT / f"{label}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.md"
+        raw_path.write_text("\n".join(raw) + "\n")
+        print(f"[bench] wrote {results} (raw: {raw_path})", flush=True)
     return 0
 
 

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import platform
+import re
 import struct
 import subprocess
 from dataclasses import dataclass, field
@@ -76,16 +77,15 @@ def ratio(a: float, b: float) -> float:
     return a / b if b and a == a and b == b else float("nan")
 
 
-def build_table(ours: ServerRun, peer: ServerRun | None, extra_rows: list[tuple[str, str, str, str, str]]
-                ) -> list[str]:
-    head = "| metric | ours | llama.cpp server | ours/peer | target |"
-    rows = [head, "|---|---:|---:|---:|---|"]
+def build_table(ours: ServerRun, peer: ServerRun | None, peer_name: str = "llama.cpp server") -> list[str]:
+    """Ours against one peer server, scenario by scenario (the peer's column is ``-`` without one)."""
+    rows = [f"| metric | ours | {peer_name} | ours/peer |", "|---|---:|---:|---:|"]
 
     def add(metric: str, a: float, b: float | None, spec: str = ".1f", target: str = "", higher: bool = True) -> None:
         r = ratio(a, b) if b is not None else float("nan")
         arrow = "" if r != r else (" ↑" if higher else " ↓")
         rows.append(f"| {metric} | {fmt(a, spec)} | {fmt(b, spec) if b is not None else '-'} | "
-                    f"{fmt(r, '.2f')}×{arrow} | {target} |")
+                    f"{fmt(r, '.2f')}×{arrow} |")
 
     p = peer
     add("start-up to ready (s)", ours.startup_s, p.startup_s if p else None, ".2f", "ours < 10 s", higher=False)
@@ -113,31 +113,54 @@ def build_table(ours: ServerRun, peer: ServerRun | None, extra_rows: list[tuple[
             higher=False)
         add(f"{name}: latency p99 (s)", load.pct("latency_s", 99), pl.pct("latency_s", 99) if pl else None, ".2f",
             higher=False)
-    for metric, a, b, r, target in extra_rows:
-        rows.append(f"| {metric} | {a} | {b} | {r} | {target} |")
     return rows
 
 
-def machine_line(args: argparse.Namespace) -> str:
-    cpu = ""
+def _cpuinfo() -> tuple[str, set[str]]:
+    """The CPU's model name and its feature flags, from /proc/cpuinfo (empty elsewhere)."""
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "", set()
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+    return name, flags
+
+
+def vector_isa(flags: set[str]) -> str:
+    """The widest vector extensions the engine's CPU kernels can use here."""
+    if "avx512_bf16" in flags:
+        return "AVX-512 BF16"
+    if "avx512f" in flags:
+        return "AVX-512"
+    if "avx2" in flags:
+        return "AVX2, no AVX-512"
+    return "no AVX2"
+
+
+def machine_label(device: str) -> str:
+    """A file name for this machine's results: the GPU, or the CPU with its core count and vector ISA."""
+    if device != "cpu":
+        name = gpu_name() or "gpu"
+    else:
+        cpu, flags = _cpuinfo()
+        isa = "avx512" if "avx512f" in flags else ("avx2" if "avx2" in flags else "")
+        name = f"{cpu or platform.machine()} {os.cpu_count()}c {isa}"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower().replace("(r)", "").replace("(tm)", "")).strip("-")
+
+
+def machine_line(args: argparse.Namespace) -> str:
+    cpu, flags = _cpuinfo()
     import torch
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     gpu = f", GPU {gpu_name()}" if args.device != "cpu" else ""
-    return (f"{os.cpu_count()} CPU cores ({cpu}), {mem:.0f} GiB RAM{gpu}; Python {platform.python_version()}, "
-            f"torch {torch.__version__}")
+    return (f"{os.cpu_count()} CPU cores ({cpu or platform.machine()}, {vector_isa(flags)}), {mem:.0f} GiB RAM{gpu}; "
+            f"Python {platform.python_version()}, torch {torch.__version__}")
 
 
 def git_revision() -> str:
-    """The checkout's commit; on a device machine, whose copy of the tree has no .git, the commit
-    ``make devkit`` recorded (``TRTSERVER_REVISION``)."""
-    if not (ROOT / ".git").exists() and os.environ.get("TRTSERVER_REVISION"):
-        return os.environ["TRTSERVER_REVISION"] + " (recorded by make devkit)"
+    """The checkout's commit, and whether trtserver/ differs from it."""
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=30,
                              cwd=ROOT).stdout.strip()

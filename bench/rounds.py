@@ -31,9 +31,8 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
     if args.device != "cpu":
         return [Scenario("1 stream", SHORT, 1, 2 if q else 5), Scenario("16 streams", SHORT, 16, 1 if q else 3),
                 Scenario("64 streams", SHORT, 64, 1 if q else 2)]
-    out = [Scenario("1 stream, short prompt", SHORT, 1, 2 if q else 4)]
-    if not args.first_slice:
-        out.append(Scenario("1 stream, ~230-token prompt", LONG, 1, 1 if q else 3))
+    out = [Scenario("1 stream, short prompt", SHORT, 1, 2 if q else 4),
+           Scenario("1 stream, ~230-token prompt", LONG, 1, 1 if q else 3)]
     out += [Scenario("4 streams", SHORT, 4, 1 if q else 2), Scenario("16 streams", SHORT, 16, 1 if q else 2)]
     return out
 

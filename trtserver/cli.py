@@ -1,4 +1,4 @@
-"""``trtserver serve | build | plugins``."""
+"""``trtserver serve | build | plugins | bundle``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import asyncio
 import sys
 import typing
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -18,32 +20,77 @@ def _list(value: str) -> list[str]:
     return [item.strip() for item in value.split(",") if item.strip()]
 
 
+@dataclass(frozen=True)
+class Setting:
+    """One ServerConfig field as the CLI and docs/settings.md show it."""
+
+    name: str
+    kind: Any  # the field's type without its Annotated metadata
+    default: Any  # msgspec.NODEFAULT when required
+    description: str
+
+    @property
+    def flag(self) -> str | None:
+        """The ``serve`` flag, or None for tables that only the TOML file can hold."""
+        if self.name == "engine_dir":
+            return "ENGINE_DIR"
+        return None if "dict" in str(self.kind) else "--" + self.name.replace("_", "-")
+
+
+def _strip(kind: Any) -> tuple[Any, str]:
+    """(the type without Annotated, the description of its outermost Meta that has one)."""
+    description = ""
+    while typing.get_origin(kind) is typing.Annotated:
+        for meta in typing.get_args(kind)[1:]:
+            if isinstance(meta, msgspec.Meta) and meta.description and not description:
+                description = meta.description
+        kind = typing.get_args(kind)[0]
+    return kind, description
+
+
+def settings() -> list[Setting]:
+    """Every ServerConfig field with its description, in declaration order."""
+    out = []
+    for field in msgspec.structs.fields(ServerConfig):
+        kind, description = _strip(field.type)
+        default = field.default_factory() if field.default_factory is not msgspec.NODEFAULT else field.default
+        out.append(Setting(field.name, kind, default, description))
+    return out
+
+
+def _help(setting: Setting) -> str:
+    shown = setting.default
+    if isinstance(shown, bool):
+        shown = "on" if shown else "off"
+    elif shown in (None, [], msgspec.NODEFAULT):
+        return setting.description.replace("%", "%%")
+    return f"{setting.description} (default: {shown})".replace("%", "%%")
+
+
 def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per ServerConfig field, from the struct itself, so the two never drift."""
-    parser.add_argument("engine_dir", help="engine directory (made by `trtserver build`)")
     parser.add_argument("--config", help="TOML file with a [server] table; flags override it")
     parser.add_argument("--plugin", action="append", dest="plugin_specs", default=None, metavar="MODULE_OR_PATH",
                         help="load this plugin module or .py file too (repeatable)")
-    for field in msgspec.structs.fields(ServerConfig):
-        if field.name == "engine_dir":
-            continue
-        flag = "--" + field.name.replace("_", "-")
-        kind = field.type
+    for setting in settings():
+        flag, kind, help_text = setting.flag, setting.kind, _help(setting)
         text = str(kind)
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
-        elif typing.get_origin(kind) is typing.Literal:  # before the "int" test: Literal["int8", ...]
-            parser.add_argument(flag, choices=typing.get_args(kind), default=None)
-        elif "list[str]" in text:
-            parser.add_argument(flag, type=_list, default=None, help="comma-separated")
-        elif "dict" in text:
+        if flag is None:
             continue  # tables (quotas) come from the TOML file only
+        if flag == "ENGINE_DIR":
+            parser.add_argument("engine_dir", help=help_text)
+        elif kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif typing.get_origin(kind) is typing.Literal:  # before the "int" test: Literal["int8", ...]
+            parser.add_argument(flag, choices=typing.get_args(kind), default=None, help=help_text)
+        elif "list[str]" in text:
+            parser.add_argument(flag, type=_list, default=None, help=help_text + " (comma-separated)")
         elif "int" in text and "float" not in text:
-            parser.add_argument(flag, type=int, default=None)
+            parser.add_argument(flag, type=int, default=None, help=help_text)
         elif "float" in text:
-            parser.add_argument(flag, type=float, default=None)
+            parser.add_argument(flag, type=float, default=None, help=help_text)
         else:
-            parser.add_argument(flag, default=None)
+            parser.add_argument(flag, default=None, help=help_text)
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -144,6 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     plugins_parser.add_argument("--plugin", action="append", help="also load this module or file")
     plugins_parser.add_argument("--json", action="store_true")
     plugins_parser.set_defaults(func=plugins_command)
+
+    bundle_parser = commands.add_parser("bundle", help="write an offline install bundle for an air-gapped host")
+    from trtserver.bundle import add_bundle_arguments, bundle_command
+
+    add_bundle_arguments(bundle_parser)
+    bundle_parser.set_defaults(func=bundle_command)
 
     args = parser.parse_args(argv)
     return int(args.func(args))

@@ -20,71 +20,108 @@ class TierLimits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Every setting. Field names are the CLI flags with ``_`` for ``-``."""
+    """Every setting. Field names are the CLI flags with ``_`` for ``-``; each carries its one-line description."""
 
-    engine_dir: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    engine: str = "auto"
-    served_model_name: str | None = None
+    engine_dir: Annotated[str, Meta(description="engine directory to serve (made by `trtserver build`)")]
+    host: Annotated[str, Meta(description="address to listen on")] = "127.0.0.1"
+    port: Annotated[int, Meta(description="TCP port to listen on")] = 8000
+    engine: Annotated[str, Meta(
+        description="engine to run: auto (TensorRT-LLM when it imports, a GPU is present and the directory "
+                    "holds its engine; else torch), torch, trtllm, or one a plugin registers")] = "auto"
+    served_model_name: Annotated[str | None, Meta(
+        description="model name clients send and /v1/models lists; default: the manifest's")] = None
     # PyTorch engine
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_batch_size: Annotated[int, Meta(ge=1)] = 16
-    max_model_len: Annotated[int, Meta(ge=1)] | None = None
-    prefill_chunk_size: Annotated[int, Meta(ge=16)] = 512
-    threads: Annotated[int, Meta(ge=0)] = 0  # 0 = all cores but one on CPU (the event loop's)
-    # CPU: threads for prefill and decode batches above 4 rows, whose GEMMs pay for a second core; 0 = every core
-    batch_threads: Annotated[int, Meta(ge=0)] = 0
-    # weight-only, PyTorch engine on CPU; auto = int4 when the weights came from a 4-bit GGUF (see docs/engines.md)
-    quantization: Literal["auto", "none", "int8", "int4"] = "auto"
-    # one set of kernels for every batch size: a request's tokens never depend on its neighbours
-    batch_invariant: bool = False
-    cuda_graphs: bool = True
-    # the model in a process of its own, off the server's GIL (see trtserver/engine/torch/process.py)
-    engine_process: bool = True
-    # with engine_process on CPU: the engine's threads bound one per CPU (OpenMP), the event loop to the last CPU
-    pin_threads: bool = True
+    device: Annotated[str, Meta(description="PyTorch engine: auto, cpu, cuda or cuda:N")] = "auto"
+    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Meta(
+        description="PyTorch engine weights' dtype; auto = bfloat16 on CUDA and on CPUs with native bf16 dot "
+                    "products, else whichever decodes faster")] = "auto"
+    max_batch_size: Annotated[int, Meta(ge=1, description="sequences decoded together (KV-cache slots)")] = 16
+    max_model_len: Annotated[Annotated[int, Meta(ge=1)] | None, Meta(
+        description="context length in tokens, prompt and completion; default: the manifest's")] = None
+    prefill_chunk_size: Annotated[int, Meta(
+        ge=16, description="prompt tokens prefilled per step, interleaved with decode steps")] = 512
+    threads: Annotated[int, Meta(
+        ge=0, description="CPU: engine threads; 0 = every core (every core but one with "
+                          "--no-engine-process, leaving one to the event loop)")] = 0
+    batch_threads: Annotated[int, Meta(
+        ge=0, description="CPU: threads for prefill and decode batches above 4 rows; 0 = --threads, or "
+                          "every core")] = 0
+    quantization: Annotated[Literal["auto", "none", "int8", "int4"], Meta(
+        description="CPU weight-only quantization of small decode batches; auto = int4 when the weights came "
+                    "from a 4-bit GGUF, else none")] = "auto"
+    batch_invariant: Annotated[bool, Meta(
+        description="one set of kernels for every batch size, so a seeded request's tokens never depend on "
+                    "its neighbours (slower at small batches)")] = False
+    cuda_graphs: Annotated[bool, Meta(description="CUDA: replay decode steps from CUDA graphs")] = True
+    engine_process: Annotated[bool, Meta(
+        description="run the PyTorch engine's model in a process of its own, off the server's GIL")] = True
+    pin_threads: Annotated[bool, Meta(
+        description="CPU, with --engine-process: bind the engine's threads one per CPU and the event loop to "
+                    "the last CPU")] = True
     # TensorRT-LLM engine
-    tensor_parallel_size: Annotated[int, Meta(ge=1)] = 1
-    pipeline_parallel_size: Annotated[int, Meta(ge=1)] = 1
-    trtllm_gather_generation_logits: bool = False
-    trtllm_guided_decoding_backend: str | None = "xgrammar"
-    trtllm_max_beam_width: Annotated[int, Meta(ge=1)] = 1  # the PyTorch backend's beam search needs it at load
-    max_lora_rank: Annotated[int, Meta(ge=1)] = 64
+    tensor_parallel_size: Annotated[int, Meta(ge=1, description="TensorRT-LLM: tensor-parallel GPUs")] = 1
+    pipeline_parallel_size: Annotated[int, Meta(ge=1, description="TensorRT-LLM: pipeline-parallel GPUs")] = 1
+    trtllm_gather_generation_logits: Annotated[bool, Meta(
+        description="TensorRT-LLM: return generation logits, so logprobs come from them (where the version "
+                    "supports it)")] = False
+    trtllm_guided_decoding_backend: Annotated[str | None, Meta(
+        description="TensorRT-LLM: its guided-decoding backend (xgrammar where installed); empty leaves "
+                    "guided decoding to the plugins")] = "xgrammar"
+    trtllm_max_beam_width: Annotated[int, Meta(
+        ge=1, description="TensorRT-LLM PyTorch backend: the largest beam width beam search may use, set at "
+                          "load")] = 1
+    max_lora_rank: Annotated[int, Meta(ge=1, description="largest LoRA adapter rank accepted")] = 64
     # API limits (OpenAI's by default; each raisable)
-    max_logprobs: Annotated[int, Meta(ge=0)] = 5
-    max_stop_sequences: Annotated[int, Meta(ge=1)] = 4
-    max_n: Annotated[int, Meta(ge=1)] = 128
-    max_best_of: Annotated[int, Meta(ge=1)] = 20
-    max_prompts: Annotated[int, Meta(ge=1)] = 256
-    max_body_bytes: Annotated[int, Meta(ge=1024)] = 16 * 1024 * 1024
-    max_prompt_tokens: Annotated[int, Meta(ge=1)] | None = None
-    max_waiting: Annotated[int, Meta(ge=1)] = 1024
-    max_flex_waiting: Annotated[int, Meta(ge=0)] = 64
-    request_timeout_s: Annotated[float, Meta(gt=0)] | None = None
-    default_max_tokens: Annotated[int, Meta(ge=0)] = 16
-    # chat: a template FILE or the template text itself, over the engine directory's (see docs/api.md)
-    chat_template: str | None = None
-    # chat: the registered parser that finds tool calls in generated text (tool_choice auto), e.g. hermes
-    tool_call_parser: str | None = None
-    # plugins: extra modules or .py files to load (the TOML `[plugins]` table's `load` list)
-    plugins: list[str] = []
-    # each plugin's `[plugins.<name>]` table, read by the plugin through `plugin_config(name)`
-    plugin_settings: dict[str, dict[str, Any]] = {}
-    plugin_allowlist: list[str] | None = None
-    guided_compile_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
+    max_logprobs: Annotated[int, Meta(ge=0, description="largest `logprobs` / `top_logprobs` a request may ask")] = 5
+    max_stop_sequences: Annotated[int, Meta(ge=1, description="most `stop` strings per request")] = 4
+    max_n: Annotated[int, Meta(ge=1, description="largest `n`")] = 128
+    max_best_of: Annotated[int, Meta(ge=1, description="largest `best_of`")] = 20
+    max_prompts: Annotated[int, Meta(ge=1, description="most prompts in one completions request")] = 256
+    max_body_bytes: Annotated[int, Meta(ge=1024, description="largest request body; larger is a 413")] = (
+        16 * 1024 * 1024)
+    max_prompt_tokens: Annotated[Annotated[int, Meta(ge=1)] | None, Meta(
+        description="longest prompt in tokens; default: only the context length limits it")] = None
+    max_waiting: Annotated[int, Meta(
+        ge=1, description="requests queued beyond the running batch; more get a 503 with Retry-After")] = 1024
+    max_flex_waiting: Annotated[int, Meta(
+        ge=0, description="`service_tier: flex` requests in flight at once; more get a 429")] = 64
+    request_timeout_s: Annotated[Annotated[float, Meta(gt=0)] | None, Meta(
+        description="seconds a request may run before it is aborted; default: no limit")] = None
+    default_max_tokens: Annotated[int, Meta(
+        ge=0, description="`max_tokens` of a completions request that gives none")] = 16
+    chat_template: Annotated[str | None, Meta(
+        description="chat: a template file, or the template text itself, used instead of the engine "
+                    "directory's")] = None
+    tool_call_parser: Annotated[str | None, Meta(
+        description="chat: the registered parser that finds tool calls in generated text (tool_choice auto), "
+                    "e.g. hermes")] = None
+    # plugins
+    plugins: Annotated[list[str], Meta(
+        description="extra plugin modules or .py files to load (the TOML `[plugins]` table's `load` list)")] = []
+    plugin_settings: Annotated[dict[str, dict[str, Any]], Meta(
+        description="each plugin's `[plugins.<name>]` table (TOML only), read through `plugin_config(name)`")] = {}
+    plugin_allowlist: Annotated[list[str] | None, Meta(
+        description="load only these installed plugins (entry-point names); default: all, or "
+                    "TRTSERVER_LOAD_PLUGINS")] = None
+    guided_compile_timeout_s: Annotated[float, Meta(
+        gt=0, description="seconds a guided-decoding grammar may take to compile before the request fails")] = 30.0
     # operations
-    api_keys: list[str] = []
-    no_limit_api_keys: list[str] = []
-    quotas: dict[str, TierLimits] = {}
-    adapters_dir: str | None = None
-    prompt_log_dir: str | None = None
-    shutdown_grace_s: Annotated[float, Meta(ge=0)] = 30.0
-    # auto = uvloop where it is installed (a dependency off Windows): less event-loop CPU per token
-    event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
-    log_format: Literal["auto", "json", "console"] = "auto"
-    log_level: str = "info"
+    api_keys: Annotated[list[str], Meta(
+        description="bearer keys accepted in Authorization; empty = no authentication")] = []
+    no_limit_api_keys: Annotated[list[str], Meta(description="keys accepted and exempt from quotas")] = []
+    quotas: Annotated[dict[str, TierLimits], Meta(
+        description="per-tier requests and tokens per minute (a TOML table, no flag)")] = {}
+    adapters_dir: Annotated[str | None, Meta(
+        description="directory of LoRA adapters, each served as a model name")] = None
+    prompt_log_dir: Annotated[str | None, Meta(
+        description="where the prompt-log plugin writes prompts of requests that set `log_prompt`")] = None
+    shutdown_grace_s: Annotated[float, Meta(
+        ge=0, description="seconds running requests may finish after SIGTERM")] = 30.0
+    event_loop: Annotated[Literal["auto", "asyncio", "uvloop"], Meta(
+        description="event loop; auto = uvloop where it is installed")] = "auto"
+    log_format: Annotated[Literal["auto", "json", "console"], Meta(
+        description="log lines as JSON or for a console; auto = console on a terminal, else JSON")] = "auto"
+    log_level: Annotated[str, Meta(description="least severe level logged: debug, info, warning, error")] = "info"
 
     @property
     def engine_path(self) -> Path:

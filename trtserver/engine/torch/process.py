@@ -126,10 +126,8 @@ class EngineProcess(RequestStreams):
 def pinned_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The engine process's environment with its OpenMP threads bound one per CPU, in order, within
     the CPUs the server may use (``taskset``, cgroups). Unbound, the event loop's wake-ups landed on
-    whichever thread was busy, the model's critical one too: paired request by request, a token over
-    HTTP took 3-4.5 % longer (median) than through ``engine.generate``; bound, with the loop on the
-    last CPU, within 2 % either way (``bench.overhead``; bench/RESULTS.md, fifth session). An
-    operator's own OMP_PROC_BIND / OMP_PLACES win."""
+    whichever thread was busy, the model's critical one too (measured with ``bench.overhead``:
+    docs/perf-decisions.md). An operator's own OMP_PROC_BIND / OMP_PLACES win."""
     env = dict(environ)
     if "OMP_PROC_BIND" not in env and "OMP_PLACES" not in env:
         env.update(OMP_PROC_BIND="close", OMP_PLACES="threads")

@@ -2,8 +2,8 @@
 
 A decode step runs ~40 ATen calls per layer on small tensors, and on a 2-core CPU the Python that
 issues them cost as much as the kernels besides the projections. TorchScript's interpreter issues
-the same calls on the same tensors, so the results are the same bits, for less: one row took
-14.05 → 11.3 ms a step, sixteen rows 46 → 33 ms (bench/RESULTS.md, seventh session).
+the same calls on the same tensors, so the results are the same bits, for less (measured in
+docs/perf-decisions.md).
 
 Two functions, one per eager decode path of ``model.py``:
 - ``_small_decode``: batches of up to ``SMALL_BATCH`` rows with int4 / int8 weight-only projections
