@@ -87,6 +87,7 @@ async def serve_scripted(plugins: Iterable[object] = (), *, script: Script | Non
 
     ``script`` says what each sequence generates (default: ``echo``, the prompt's text, then EOS);
     ``step_delay_s`` is slept after each step of every request (to test time-outs and disconnects).
+    ``engine`` may name another registered engine that reads the same directory.
     The engine directory is the synthetic model's, written to a temporary folder.
     ``scripted_engine(client)`` is the engine (its ``requests`` are what the server asked of it).
     """
@@ -95,7 +96,7 @@ async def serve_scripted(plugins: Iterable[object] = (), *, script: Script | Non
     engines = ScriptedEngines(script or echo, step_delay_s=step_delay_s)
     with tempfile.TemporaryDirectory(prefix="trtserver-scripted-") as folder:
         settings.setdefault("engine_dir", str(write_engine_dir(folder)))
-        settings["engine"] = ENGINE_NAME
+        settings.setdefault("engine", ENGINE_NAME)
         settings.setdefault("max_batch_size", 4)
         async with _serve_app([*plugins, engines], installed_plugins, settings) as client:
             yield client
