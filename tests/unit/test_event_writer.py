@@ -6,7 +6,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from trtserver.protocol import CompletionChoice, CompletionResponse, encoder
 from trtserver.sse import EventWriter
 
 
@@ -84,28 +83,3 @@ async def test_a_closed_connection_raises() -> None:
     transport.closing = True
     with pytest.raises(ConnectionResetError):
         await events.send(b"data: 2\n\n")
-
-
-def chunk(text: str) -> CompletionResponse:
-    return CompletionResponse(id="cmpl-1", created=1, model="m", choices=[CompletionChoice(text, 0, None, None)],
-                              usage=None, system_fingerprint=None)
-
-
-async def test_as_a_sink_it_is_writable_only_after_the_headers_and_while_the_socket_keeps_up() -> None:
-    events, transport, _, _ = make("chunked")
-    assert not events.writable()  # the headers go out with the first event, through aiohttp
-    await events.send(b"data: 1\n\n")
-    assert events.writable()
-    events.write(chunk("hi"))
-    event = b"data: " + encoder.encode(chunk("hi")) + b"\n\n"
-    assert transport.sent == [b"%x\r\n%b\r\n" % (len(event), event)]
-    transport.buffered = 10  # backed up: the next chunk goes through send(), which drains
-    assert not events.writable()
-    transport.buffered, transport.closing = 0, True
-    assert not events.writable()
-
-
-async def test_compressed_responses_are_never_written_as_a_sink() -> None:
-    events, _, _, _ = make("chunked", compression=True)
-    await events.send(b"data: 1\n\n")
-    assert not events.writable()
