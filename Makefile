@@ -33,7 +33,9 @@ serve: engines
 test: engines
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-unit: install
+# no model, no network: an existing environment is used as it is (a fresh clone's newer pyproject does not reinstall)
+test-unit:
+	@test -x $(PY) || $(MAKE) install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
 lint: install
