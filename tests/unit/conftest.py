@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-MODEL_FIXTURES = frozenset({"engine_dir", "smol_dir", "engine"})
+MODEL_FIXTURES = frozenset({"engine_dir", "smol_dir"})  # tests/conftest.py and tests/engine/conftest.py
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
