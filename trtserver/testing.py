@@ -3,6 +3,8 @@
 ``trtserver_scripted_client_factory`` serves a scripted engine (``trtserver.scripted_engine``): a
 tiny synthetic model whose output the test writes, ready in milliseconds, no model needed::
 
+    from trtserver.scripted_engine import reply
+
     async def test_my_plugin(trtserver_scripted_client_factory):
         client = await trtserver_scripted_client_factory(plugins=[my_plugin_module], script=reply(" Paris"))
         response = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
