@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -216,3 +217,35 @@ async def test_return_token_ids_keeps_tokens_that_make_no_text_yet() -> None:
     async with serve_scripted(installed_plugins=False, script=lambda call: iter(ids)) as client:
         status, body = await complete(client, return_token_ids=True, ignore_eos=True)
         assert status == 200 and body["choices"][0]["token_ids"] == ids
+
+
+async def test_min_tokens_skips_ending_tokens_and_ignore_eos_runs_to_the_script_end() -> None:
+    eos = TOKENIZER.eos_token_ids[0]
+    two, three = (TOKENIZER.token_to_id(word) for word in ("Ġtwo", "Ġthree"))
+    async with serve_scripted(installed_plugins=False, script=lambda call: [two, eos, three, eos]) as client:
+        _, body = await complete(client)
+        assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == (" two", "stop")
+        _, body = await complete(client, min_tokens=2)
+        assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == (" two three", "stop")
+        _, body = await complete(client, ignore_eos=True)  # EOS is one more token, and no text
+        assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == (" two three", "length")
+        assert body["usage"]["completion_tokens"] == 4
+
+
+async def test_a_client_that_goes_away_aborts_its_sequences() -> None:
+    def endless(call: ScriptCall) -> Any:
+        while True:
+            yield TOKENIZER.token_to_id("a")
+
+    async with serve_scripted(installed_plugins=False, script=endless, step_delay_s=0.01) as client:
+        engine = scripted_engine(client)
+        response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4000, "stream": True,
+                                                              "n": 2})
+        await response.content.readline()
+        assert engine.stats().running == 2
+        response.close()
+        for _ in range(200):
+            if engine.stats().running == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.stats().running == 0
