@@ -48,8 +48,11 @@ serve: engines
 test: engines
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-unit: install
-	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+# no model, no network: an existing environment is used as it is (a fresh clone's newer pyproject does not
+# reinstall); the fuzz suite's pytest plugins (hypothesis, schemathesis) stay unloaded
+test-unit:
+	@test -x $(PY) || $(MAKE) install
+	$(PY) -m pytest -q -p no:hypothesispytest -p no:schemathesis tests/unit $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check trtserver build_engines plugins tests bench

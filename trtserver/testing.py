@@ -1,11 +1,16 @@
-"""pytest plugin for plugin authors (entry point ``pytest11``): fixtures that serve the real model.
+"""pytest plugin for plugin authors (entry point ``pytest11``): fixtures that serve the app.
 
-    def test_my_plugin(trtserver_client_factory):
-        client = await trtserver_client_factory(plugins=[my_plugin_module])
+``trtserver_scripted_client_factory`` serves a scripted engine (``trtserver.scripted_engine``): a
+tiny synthetic model whose output the test writes, ready in milliseconds, no model needed::
+
+    from trtserver.scripted_engine import reply
+
+    async def test_my_plugin(trtserver_scripted_client_factory):
+        client = await trtserver_scripted_client_factory(plugins=[my_plugin_module], script=reply(" Paris"))
         response = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
 
-The default engine directory is ``engines/SmolLM2-135M-Instruct`` under the current directory,
-or ``$TRTSERVER_TEST_ENGINE_DIR``; build it with ``make engines``.
+``trtserver_client_factory`` serves the real default model: ``engines/SmolLM2-135M-Instruct``
+under the current directory, or ``$TRTSERVER_TEST_ENGINE_DIR``; build it with ``make engines``.
 """
 
 from __future__ import annotations
@@ -13,12 +18,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from aiohttp.test_utils import TestClient
+
+if TYPE_CHECKING:
+    from trtserver.scripted_engine import Script, ScriptedEngine
 
 try:
     from pytest_asyncio import fixture as async_fixture
@@ -63,17 +72,59 @@ async def serve(plugins: Iterable[object] = (), *, installed_plugins: bool = Tru
             async with serve([my_plugin], installed_plugins=False) as client:
                 yield client
     """
+    settings.setdefault("engine_dir", str(default_engine_dir()))
+    settings.setdefault("engine", "torch")
+    # small KV cache: the app starts in seconds (the full 8k context x 16 slots takes longer)
+    settings.setdefault("max_batch_size", 4)
+    settings.setdefault("max_model_len", 1024)
+    async with _serve_app(plugins, installed_plugins, settings) as client:
+        yield client
+
+
+@contextlib.asynccontextmanager
+async def serve_scripted(plugins: Iterable[object] = (), *, script: Script | None = None,
+                         step_delay_s: float = 0.0, installed_plugins: bool = True,
+                         **settings: Any) -> AsyncIterator[TestClient[Any, Any]]:
+    """An app on a scripted engine (see ``trtserver.scripted_engine``), ready to serve, as ``serve`` is.
+
+    ``script`` says what each sequence generates (default: ``echo``, the prompt's text, then EOS);
+    ``step_delay_s`` is slept after each step of every request (to test time-outs and disconnects).
+    ``engine`` may name another registered engine that reads the same directory.
+    The engine directory is the synthetic model's, written to a temporary folder.
+    ``scripted_engine(client)`` is the engine (its ``requests`` are what the server asked of it).
+    """
+    from trtserver.scripted_engine import ENGINE_NAME, ScriptedEngines, echo, write_engine_dir
+
+    engines = ScriptedEngines(script or echo, step_delay_s=step_delay_s)
+    with tempfile.TemporaryDirectory(prefix="trtserver-scripted-") as folder:
+        settings.setdefault("engine_dir", str(write_engine_dir(folder)))
+        settings.setdefault("engine", ENGINE_NAME)
+        settings.setdefault("max_batch_size", 4)
+        async with _serve_app([*plugins, engines], installed_plugins, settings) as client:
+            yield client
+
+
+def scripted_engine(client: TestClient[Any, Any]) -> ScriptedEngine:
+    """The engine behind an app that ``serve_scripted`` started."""
+    from trtserver.scripted_engine import ScriptedEngine
+    from trtserver.server import STATE
+
+    engine = client.app[STATE].engine
+    if not isinstance(engine, ScriptedEngine):
+        raise TypeError(f"this app serves {type(engine).__name__}, not a scripted engine")
+    return engine
+
+
+@contextlib.asynccontextmanager
+async def _serve_app(plugins: Iterable[object], installed_plugins: bool,
+                     settings: dict[str, Any]) -> AsyncIterator[TestClient[Any, Any]]:
     from aiohttp.test_utils import TestServer
 
     from trtserver.config import ServerConfig
     from trtserver.plugins import load_plugins, new_plugin_manager
     from trtserver.server import create_app
 
-    settings.setdefault("engine_dir", str(default_engine_dir()))
-    settings.setdefault("engine", "torch")
-    # small KV cache: the app starts in seconds (the full 8k context x 16 slots takes longer)
-    settings.setdefault("max_batch_size", 4)
-    settings.setdefault("max_model_len", 1024)
+    plugins = list(plugins)
     config = ServerConfig(**settings)
     pm = new_plugin_manager()
     names = [p for p in plugins if isinstance(p, str)] + list(config.plugins)
@@ -100,5 +151,18 @@ async def trtserver_client_factory() -> AsyncIterator[Callable[..., Awaitable[Te
 
         async def make(plugins: Iterable[object] = (), **settings: Any) -> TestClient[Any, Any]:
             return await stack.enter_async_context(serve(plugins, **settings))
+
+        yield make
+
+
+@async_fixture
+async def trtserver_scripted_client_factory() -> AsyncIterator[Callable[..., Awaitable[TestClient[Any, Any]]]]:
+    """A function-scoped factory over ``serve_scripted``: ``await factory(plugins, script=..., **settings)``
+    gives a ready ``TestClient`` on a scripted engine; every app it started is closed after the test.
+    Needs pytest-asyncio."""
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def make(plugins: Iterable[object] = (), **settings: Any) -> TestClient[Any, Any]:
+            return await stack.enter_async_context(serve_scripted(plugins, **settings))
 
         yield make

@@ -143,21 +143,27 @@ class IncrementalDecoder:
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._produced = False
         self._after_special = False
+        self._run: list[int] = []  # DecodeStream only: ids since the last special token, and their text's length
+        self._run_chars = 0
 
     def step(self, token_id: int) -> str:
         if token_id in self._specials:
             if self._skip:
                 return ""
             piece = self._tokenizer.id_to_token(token_id) or ""
-            # a special token resets the byte-level state: start afresh after it
+            # a special token ends the bytes before it: a dangling one is U+FFFD, as in a whole decode
+            dangling = self._utf8.decode(b"", final=True) if self._bytes is not None else self._run_rest()
+            if dangling and self._after_special and self._space_specials:
+                dangling = " " + dangling
+            # and resets the byte-level state: start afresh after it
             if self._stream is not None:
                 self._stream = self._tokenizer.decode_stream(skip_special_tokens=self._skip)
             self._utf8.reset()
-            if self._space_specials and self._produced:
+            if self._space_specials and (self._produced or dangling):
                 piece = " " + piece
             self._produced = True
             self._after_special = True
-            return piece
+            return dangling + piece
         table = self._bytes
         if table is not None:
             piece = self._utf8.decode(table[token_id]) if 0 <= token_id < len(table) else ""
@@ -167,12 +173,22 @@ class IncrementalDecoder:
                 piece = self._stream.step(self._backend, token_id) or ""
             except Exception:  # ids the tokenizer does not know decode to nothing, never crash
                 piece = ""
+            else:
+                if not self._skip:
+                    self._run.append(token_id)
+                    self._run_chars += len(piece)
         if piece:
             if self._after_special and self._space_specials:
                 piece = " " + piece
             self._after_special = False
             self._produced = True
         return piece
+
+    def _run_rest(self) -> str:
+        """What DecodeStream still holds of the ids since the last special token (it has no flush)."""
+        rest = self._tokenizer.decode(self._run, skip_special_tokens=False)[self._run_chars:] if self._run else ""
+        self._run, self._run_chars = [], 0
+        return rest
 
     def feed(self, token_ids: Sequence[int]) -> str:
         if len(token_ids) == 1:  # one token a step: the usual case

@@ -47,12 +47,12 @@ def wait_healthy(base: str, process: subprocess.Popen[bytes] | None, timeout: fl
 
 def start_server(engine_dir: Path, *args: str, log_name: str = "server") -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"trtserver-test-{log_name}-{port}.log", "wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "trtserver.cli", "serve", str(engine_dir), "--port", str(port),
-         "--engine", os.environ.get("TRTSERVER_TEST_ENGINE", "torch"), "--device", TEST_DEVICE, *args],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
+    with open(Path(os.environ.get("TMPDIR", "/tmp")) / f"trtserver-test-{log_name}-{port}.log", "wb") as log:
+        process = subprocess.Popen(  # the server writes its own copy of the file descriptor
+            [sys.executable, "-m", "trtserver.cli", "serve", str(engine_dir), "--port", str(port),
+             "--engine", os.environ.get("TRTSERVER_TEST_ENGINE", "torch"), "--device", TEST_DEVICE, *args],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, process)

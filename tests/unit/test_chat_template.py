@@ -17,7 +17,6 @@ from trtserver.chat_template import (
     ChatTemplateConfigError,
     ChatTemplateError,
     ChatTemplateMissing,
-    read_engine_dir_template,
     require_chat_template,
     resolve_chat_template,
     template_token_ids,
@@ -26,10 +25,8 @@ from trtserver.config import ServerConfig
 from trtserver.errors import InvalidRequest
 from trtserver.manifest import Manifest, Source, save_manifest
 from trtserver.plugins import new_plugin_manager
+from trtserver.scripted_engine import CHAT_TEMPLATE, write_engine_dir
 from trtserver.tokenizer import Tokenizer
-
-ENGINE_DIR = Path(__file__).resolve().parents[2] / "engines" / "SmolLM2-135M-Instruct"
-SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 
 # Qwen2.5's template, as published with its tokenizer_config.json
 QWEN_TEMPLATE = """{%- if tools %}
@@ -100,31 +97,20 @@ WEATHER_TOOL = {
     },
 }
 
-CONVERSATIONS: list[list[dict[str, Any]]] = [
-    [{"role": "user", "content": "Hi"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}],
-    [{"role": "user", "content": "Écris «ça» en 世界 <b>html</b>"}, {"role": "assistant", "content": " spaced "}],
-]
+@pytest.fixture(scope="module")
+def scripted_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The scripted engine's directory: a small ChatML vocabulary and template (tests/engine has SmolLM2's)."""
+    return write_engine_dir(tmp_path_factory.mktemp("scripted"))
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_dir(ENGINE_DIR)
+def tokenizer(scripted_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(scripted_dir)
 
 
 @pytest.fixture(scope="module")
-def smol(tokenizer: Tokenizer) -> ChatTemplate:
-    found = read_engine_dir_template(ENGINE_DIR)
-    assert found is not None
-    return ChatTemplate.for_tokenizer(found[0], tokenizer)
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer() -> Any:
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(str(ENGINE_DIR))
+def chatml(tokenizer: Tokenizer) -> ChatTemplate:
+    return ChatTemplate.for_tokenizer(CHAT_TEMPLATE, tokenizer)
 
 
 def render(source: str, messages: list[dict[str, Any]] | None = None, **options: Any) -> str:
@@ -133,26 +119,6 @@ def render(source: str, messages: list[dict[str, Any]] | None = None, **options:
 
 
 # --- rendering --------------------------------------------------------------------------------
-
-
-def test_smollm2_template_renders_each_role(smol: ChatTemplate) -> None:
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Hello!"}]
-    assert smol.render(messages) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-                                     "<|im_start|>assistant\nHello!<|im_end|>\n")
-    assert smol.render(messages[1:2], add_generation_prompt=True) == (
-        SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
-
-
-@pytest.mark.parametrize("messages", CONVERSATIONS)
-@pytest.mark.parametrize("options", [{"add_generation_prompt": True}, {"add_generation_prompt": False},
-                                     {"continue_final_message": True}])
-def test_smollm2_matches_transformers_text_and_ids(smol: ChatTemplate, tokenizer: Tokenizer, hf_tokenizer: Any,
-                                                   messages: list[dict[str, Any]], options: dict[str, Any]) -> None:
-    text = smol.render(messages, **options)
-    assert text == hf_tokenizer.apply_chat_template(messages, tokenize=False, **options)
-    expected_ids = hf_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **options)
-    assert template_token_ids(text, tokenizer) == list(expected_ids)
 
 
 def test_qwen_tools_template_with_tool_calls_and_results() -> None:
@@ -246,10 +212,10 @@ def test_none_valued_keys_are_dropped_as_transformers_does() -> None:
 # --- continue_final_message -----------------------------------------------------------------
 
 
-def test_continue_final_message_cuts_after_the_content(smol: ChatTemplate) -> None:
+def test_continue_final_message_cuts_after_the_content(chatml: ChatTemplate) -> None:
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
-    assert smol.render(messages, continue_final_message=True) == (
-        SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nThe answer is")
+    assert chatml.render(messages, continue_final_message=True) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nThe answer is")
     # a template that trims content: the trailing space goes, as in transformers
     trimming = "{% for m in messages %}[{{ m.content | trim }}]{% endfor %}"
     assert render(trimming, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "So "}],
@@ -269,11 +235,11 @@ def test_continue_final_message_errors() -> None:
 # --- token ids ---------------------------------------------------------------------------------
 
 
-def test_special_tokens_become_single_ids(smol: ChatTemplate, tokenizer: Tokenizer) -> None:
-    ids = template_token_ids(smol.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True), tokenizer)
+def test_special_tokens_become_single_ids(chatml: ChatTemplate, tokenizer: Tokenizer) -> None:
+    ids = template_token_ids(chatml.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True), tokenizer)
     start, end = tokenizer.token_to_id("<|im_start|>"), tokenizer.token_to_id("<|im_end|>")
     assert start is not None and end is not None
-    assert ids[0] == start and ids.count(start) == 3 and ids.count(end) == 2
+    assert ids[0] == start and ids.count(start) == 2 and ids.count(end) == 1
     assert tokenizer.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
 
 
@@ -398,9 +364,10 @@ def test_engine_dir_sources(tmp_path: Path, tokenizer: Tokenizer) -> None:
     assert resolve(engine_dir_with(tmp_path / "e"), tokenizer) is None
 
 
-def test_the_default_model_has_a_template(tokenizer: Tokenizer) -> None:
-    template = resolve(ENGINE_DIR, tokenizer)
-    assert template is not None and "<|im_start|>" in template.source
+def test_an_engine_directory_without_a_manifest_has_its_jinja_template(scripted_dir: Path,
+                                                                      tokenizer: Tokenizer) -> None:
+    template = resolve(scripted_dir, tokenizer)
+    assert template is not None and template.source == CHAT_TEMPLATE
 
 
 def test_override_from_file_and_from_string(tmp_path: Path, tokenizer: Tokenizer) -> None:

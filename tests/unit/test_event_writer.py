@@ -6,7 +6,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from trtserver.protocol import CompletionChoice, CompletionResponse
 from trtserver.sse import EventWriter
 
 
@@ -84,8 +83,3 @@ async def test_a_closed_connection_raises() -> None:
     transport.closing = True
     with pytest.raises(ConnectionResetError):
         await events.send(b"data: 2\n\n")
-
-
-def chunk(text: str) -> CompletionResponse:
-    return CompletionResponse(id="cmpl-1", created=1, model="m", choices=[CompletionChoice(text, 0, None, None)],
-                              usage=None, system_fingerprint=None)

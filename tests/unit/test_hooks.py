@@ -1,11 +1,12 @@
 """One behavioural test per hook (``test_hook_<name>``; tests/unit/test_hooks_meta.py checks that
-every hook has one), on the real model, with one app and one test plugin for the whole module."""
+every hook has one), on a scripted engine, with one app and one test plugin for the whole module."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -16,13 +17,14 @@ from aiohttp.test_utils import TestClient
 from trtserver import hookimpl
 from trtserver.config import ServerConfig
 from trtserver.errors import PermissionDenied
+from trtserver.scripted_engine import CHAT_TEMPLATE, ScriptedEngine, reply, scripted_tokenizer, write_engine_dir
 from trtserver.server import STATE
-from trtserver.testing import serve
+from trtserver.testing import serve_scripted
 from trtserver.text import StopMatch
+from trtserver.tokenizer import Tokenizer
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
-
-FORCED_TOKEN = 1000
+FORCED_TOKEN = scripted_tokenizer().token_to_id("a")
+ANSWER = reply(" The quick brown fox jumps over the lazy dog.")
 
 
 class CharStop:
@@ -52,10 +54,8 @@ class HookPlugin:
     @hookimpl
     def trtserver_register_engines(self, register: Callable[..., None]) -> None:
         def factory(config: ServerConfig) -> Any:
-            from trtserver.engine.torch.engine import TorchEngine
-
             self.engine_factory_calls.append(config.engine)
-            return TorchEngine(config)
+            return ScriptedEngine(config, ANSWER)
 
         register("hooktest", factory)
 
@@ -73,12 +73,10 @@ class HookPlugin:
 
     @hookimpl
     def trtserver_quota_store(self, config: ServerConfig) -> Any:
+        from trtserver.quota import MemoryQuotaStore
+
         self.quota_calls += 1
-        try:  # the built-in in-memory store, as our own answer (firstresult: ours wins over trylast)
-            from trtserver.quota import MemoryQuotaStore
-        except ImportError:
-            return None
-        self.quota_store = MemoryQuotaStore()
+        self.quota_store = MemoryQuotaStore()  # the built-in store, as our own answer (firstresult: ours wins)
         return self.quota_store
 
     @hookimpl
@@ -132,7 +130,7 @@ def plugin() -> HookPlugin:
 
 @pytest.fixture(scope="module")
 async def client(plugin: HookPlugin) -> AsyncIterator[TestClient[Any, Any]]:
-    async with serve([plugin], installed_plugins=False, engine="hooktest", max_model_len=512) as test_client:
+    async with serve_scripted([plugin], installed_plugins=False, engine="hooktest") as test_client:
         yield test_client
 
 
@@ -164,16 +162,14 @@ async def test_hook_trtserver_app_created(client: TestClient[Any, Any]) -> None:
 async def test_hook_trtserver_system_fingerprint(client: TestClient[Any, Any], plugin: HookPlugin) -> None:
     assert plugin.fingerprint_calls == 1
     status, body = await post(client)
-    assert body["system_fingerprint"] == "fp_hooktest_torch"
-    assert {c["system_fingerprint"] for c in await stream(client)} == {"fp_hooktest_torch"}
+    assert body["system_fingerprint"] == "fp_hooktest_scripted"
+    assert {c["system_fingerprint"] for c in await stream(client)} == {"fp_hooktest_scripted"}
 
 
 async def test_hook_trtserver_quota_store(client: TestClient[Any, Any], plugin: HookPlugin) -> None:
     pm = client.app[STATE].pm
     assert pm.hook.trtserver_quota_store.spec.opts["firstresult"]
     service = client.app[STATE].service
-    if not hasattr(service, "quota_store"):
-        pytest.skip("no core consumer of trtserver_quota_store yet")
     assert plugin.quota_calls == 1  # asked once, at start-up
     status, _ = await post(client)
     assert status == 200 and plugin.quota_calls == 1  # never per request
@@ -237,14 +233,13 @@ class TemplatePlugin:
         return self.answer
 
 
-async def test_hook_trtserver_chat_template() -> None:
+async def test_hook_trtserver_chat_template(tmp_path: Path) -> None:
     from trtserver.chat_template import resolve_chat_template
     from trtserver.plugins import new_plugin_manager
-    from trtserver.testing import default_engine_dir
-    from trtserver.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_dir(default_engine_dir())
-    config = ServerConfig(engine_dir=str(default_engine_dir()))
+    engine_dir = write_engine_dir(tmp_path)
+    tokenizer = Tokenizer.from_dir(engine_dir)
+    config = ServerConfig(engine_dir=str(engine_dir))
     messages = [{"role": "user", "content": "Hi"}]
     pm = new_plugin_manager()
     silent, patching = TemplatePlugin(None), TemplatePlugin("{{ bos_token }}plugin: {{ messages[0].content }}")
@@ -253,11 +248,11 @@ async def test_hook_trtserver_chat_template() -> None:
     template = resolve_chat_template(config, pm, tokenizer)
     assert template is not None and template.render(messages) == "<|im_start|>plugin: Hi"
     # firstresult: the later-registered plugin answered first, so the silent one was never asked
-    assert patching.seen and "<|im_start|>" in (patching.seen[0] or "") and silent.seen == []
+    assert patching.seen == [CHAT_TEMPLATE] and silent.seen == []
     pm.unregister(patching)
     template = resolve_chat_template(config, pm, tokenizer)  # no answer: the engine directory's template
-    assert template is not None and "You are a helpful AI assistant named SmolLM" in template.render(messages)
-    assert silent.seen == [patching.seen[0]]
+    assert template is not None and template.render(messages) == "<|im_start|>user\nHi<|im_end|>\n"
+    assert silent.seen == [CHAT_TEMPLATE]
     pm.register(patching, name="patching")
     overridden = msgspec.structs.replace(config, chat_template="operator: {{ messages[0].content }}")
     template = resolve_chat_template(overridden, pm, tokenizer)  # --chat-template wins, plugins are not asked

@@ -1,18 +1,19 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import tokenizers
 
+from trtserver.scripted_engine import scripted_tokenizer
 from trtserver.text import IncrementalDecoder, StopStrings, TextStream
 from trtserver.tokenizer import Tokenizer, byte_level_to_bytes
 
 
 @pytest.fixture(scope="module")
-def tokenizer(engine_dir: Path) -> Tokenizer:
-    return Tokenizer.from_dir(engine_dir)
+def tokenizer() -> Tokenizer:
+    """A small byte-level BPE (tests/engine/test_text_smollm2.py runs the same checks on the real model's)."""
+    return scripted_tokenizer()
 
 
 def test_incremental_decoding_handles_split_multibyte_characters(tokenizer: Tokenizer) -> None:
@@ -55,6 +56,20 @@ def test_byte_table_streams_the_text_decode_stream_does(tokenizer: Tokenizer) ->
             table = IncrementalDecoder(tokenizer, skip_special_tokens=skip)
             stream = IncrementalDecoder(tokenizer, skip_special_tokens=skip, byte_table=False)
             assert "".join(table.step(t) for t in ids) == "".join(stream.step(t) for t in ids)
+
+
+@pytest.mark.parametrize("byte_table", [True, False])
+def test_bytes_left_dangling_by_a_special_token_are_shown_as_a_whole_decode_shows_them(
+        tokenizer: Tokenizer, byte_table: bool) -> None:
+    table = tokenizer.token_bytes or ()
+    lead, continuation = (table.index(bytes([byte])) for byte in (0xC3, 0xA9))  # é is C3 A9
+    start = tokenizer.token_to_id("<|im_start|>")
+    assert start is not None
+    for ids in ([lead, start], [continuation, start], [lead, start, continuation, start]):
+        whole = tokenizer.decode(ids, skip_special_tokens=False)
+        decoder = IncrementalDecoder(tokenizer, skip_special_tokens=False, spaces_between_special_tokens=False,
+                                     byte_table=byte_table)
+        assert decoder.feed(ids) == whole and "\ufffd" in whole
 
 
 def test_other_decoders_have_no_byte_table() -> None:
