@@ -49,7 +49,6 @@ def _description(prop: dict[str, object]) -> object:
     return members[0].get("description") if len(members) == 1 else None
 
 
-@pytest.mark.xfail(strict=True, reason="the descriptions (msgspec Meta(description=...)) come with docs/settings.md")
 def test_every_setting_has_a_description() -> None:
     from trtserver.config import ServerConfig
 

@@ -183,7 +183,8 @@ def choice_piece(request: CompletionRequest, prompt_ids: list[int], choice: Choi
             logprobs = generated
         else:
             extend_logprobs(logprobs, generated)
-    if not text and logprobs is None and not choice.finished and not first:
+    if not text and logprobs is None and not choice.finished and not first and not (
+            request.return_token_ids and delta.token_ids):
         return None
     out = CompletionChoice(
         text=text,
