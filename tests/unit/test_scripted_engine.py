@@ -209,8 +209,6 @@ async def test_beam_search_is_refused_with_a_400() -> None:
         assert status == 400 and body["error"]["param"] == "use_beam_search"
 
 
-@pytest.mark.xfail(strict=True, reason="serving/choices.py: choice_piece drops a piece with no text, and with it "
-                                       "the token ids of a token that is half a character")
 async def test_return_token_ids_keeps_tokens_that_make_no_text_yet() -> None:
     ids = TOKENIZER.encode(" café", add_special_tokens=False)
     assert b"\xc3" in (TOKENIZER.token_bytes or ())[ids[2]]  # é is split: its first token is no text yet
