@@ -107,9 +107,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def serve(args: argparse.Namespace) -> int:
 
+    from trtserver.http.app import create_app
     from trtserver.logs import configure_logging
     from trtserver.plugins import PluginLoadError
-    from trtserver.server import create_app
 
     try:
         config = config_from_args(args)
@@ -122,7 +122,7 @@ def serve(args: argparse.Namespace) -> int:
     except PluginLoadError as exc:
         print(f"trtserver: {exc}", file=sys.stderr)
         return 3
-    from trtserver.lifecycle import run_server
+    from trtserver.http.run import run_server
 
     if config.event_loop != "asyncio":
         try:

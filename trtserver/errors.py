@@ -1,6 +1,6 @@
 """Every failure a client can see, as one exception hierarchy mapped once to the OpenAI envelope.
 
-``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``; ``server.py`` does the
+``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``; ``http/app.py`` does the
 mapping in one middleware (and once more for errors that happen after an SSE stream started).
 """
 

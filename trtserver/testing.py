@@ -46,7 +46,7 @@ def default_engine_dir() -> Path:
 
 
 async def wait_ready(app: Any, timeout: float = 120.0) -> None:
-    from trtserver.server import STATE
+    from trtserver.http.app import STATE
 
     state = app[STATE]
     deadline = asyncio.get_running_loop().time() + timeout
@@ -106,8 +106,8 @@ async def serve_scripted(plugins: Iterable[object] = (), *, script: Script | Non
 
 def scripted_engine(client: TestClient[Any, Any]) -> ScriptedEngine:
     """The engine behind an app that ``serve_scripted`` started."""
+    from trtserver.http.app import STATE
     from trtserver.scripted_engine import ScriptedEngine
-    from trtserver.server import STATE
 
     engine = client.app[STATE].engine
     if not isinstance(engine, ScriptedEngine):
@@ -121,8 +121,8 @@ async def _serve_app(plugins: Iterable[object], installed_plugins: bool,
     from aiohttp.test_utils import TestServer
 
     from trtserver.config import ServerConfig
+    from trtserver.http.app import create_app
     from trtserver.plugins import load_plugins, new_plugin_manager
-    from trtserver.server import create_app
 
     plugins = list(plugins)
     config = ServerConfig(**settings)

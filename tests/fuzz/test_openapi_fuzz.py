@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import response_schema_conformance
 
 from tests.http.conftest import start_server
-from trtserver.openapi import openapi_document
+from trtserver.http.openapi import openapi_document
 
 LIMITS = ("--max-model-len", "64", "--max-n", "2", "--max-best-of", "2", "--max-prompts", "2",
           "--max-batch-size", "4", "--guided-compile-timeout-s", "5")

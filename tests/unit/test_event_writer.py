@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from trtserver.sse import EventWriter
+from trtserver.http.sse import EventWriter
 
 
 class Transport:

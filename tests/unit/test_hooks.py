@@ -17,8 +17,8 @@ from aiohttp.test_utils import TestClient
 from trtserver import hookimpl
 from trtserver.config import ServerConfig
 from trtserver.errors import PermissionDenied
+from trtserver.http.app import STATE
 from trtserver.scripted_engine import CHAT_TEMPLATE, ScriptedEngine, reply, scripted_tokenizer, write_engine_dir
-from trtserver.server import STATE
 from trtserver.testing import serve_scripted
 from trtserver.text import StopMatch
 from trtserver.tokenizer import Tokenizer

@@ -21,7 +21,7 @@ def test_the_event_loop_is_pinned_and_its_executor_is_not() -> None:
     import os
     import threading
 
-    from trtserver.lifecycle import pin_event_loop
+    from trtserver.http.run import pin_event_loop
 
     cpus = os.sched_getaffinity(0)
     seen: dict[str, set[int]] = {}

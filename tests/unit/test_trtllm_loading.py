@@ -12,8 +12,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from tests.standins import harness
 from trtserver.config import ServerConfig
 from trtserver.hookspecs import hookimpl
+from trtserver.http.app import create_app
 from trtserver.plugins import load_plugins, new_plugin_manager
-from trtserver.server import create_app
 
 standin = harness.standin
 

@@ -70,7 +70,7 @@ class LogitsProcessor(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Everything an engine needs to choose tokens; built from a request by ``serving.py``."""
+    """Everything an engine needs to choose tokens; built from a request by ``serving/checks.py``."""
 
     max_tokens: int = 16
     temperature: float = 1.0

@@ -9,7 +9,7 @@ import trtserver_fingerprint
 from trtserver_fingerprint import compute_fingerprint, fingerprint_facts, trtserver_system_fingerprint
 
 from trtserver.engine.base import EngineInfo
-from trtserver.server import STATE
+from trtserver.http.app import STATE
 
 MANIFEST = {"served_model_name": "m", "weights_sha256": "ab" * 32, "dtype": "bfloat16", "format": "safetensors",
             "format_version": 1}

@@ -14,8 +14,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from trtserver import hookimpl
 from trtserver.config import ServerConfig
+from trtserver.http.app import create_app
 from trtserver.plugins import new_plugin_manager
-from trtserver.server import create_app
 
 
 class _Loading:

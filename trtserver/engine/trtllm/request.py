@@ -119,7 +119,7 @@ def prepare(request: GenerationRequest, f: ApiFeatures, *, eos_ids: tuple[int, .
         if "early_stopping" in f.sampling_fields:
             kw["early_stopping"] = _early_stopping(s.early_stopping)
     elif request.n > 1:
-        # every sample comes back; best_of ranking is ours (serving.py)
+        # every sample comes back; best_of ranking is ours (serving/completions.py)
         kw.update(n=request.n, best_of=request.n)
     # logprobs
     if s.logprobs is not None:

@@ -21,8 +21,8 @@ from aiohttp import web
 
 from trtserver import hookimpl
 from trtserver.config import ServerConfig
+from trtserver.http.app import STATE
 from trtserver.plugins import plugin_settings
-from trtserver.server import STATE
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ from trtserver import errors
 from trtserver.protocol import encoder
 from trtserver.serving import Api, Prepared, Service
 
-log = structlog.get_logger("trtserver.sse")
+log = structlog.get_logger("trtserver.http.sse")
 T = TypeVar("T")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from trtserver.config import ServerConfig
 from trtserver.engine.base import Engine
-from trtserver.server import STATE
+from trtserver.http.app import STATE
 
 log = structlog.get_logger("trtserver")
 

@@ -20,8 +20,9 @@ from trtserver import __version__, errors
 from trtserver.config import ServerConfig
 from trtserver.engine.base import Engine
 from trtserver.engine.select import build_engine
-from trtserver.metrics import Metrics
-from trtserver.openapi import openapi_document
+from trtserver.http.metrics import Metrics
+from trtserver.http.openapi import openapi_document
+from trtserver.http.sse import stream_response, with_timeout
 from trtserver.plugins import allowlist_from_env, await_me_maybe, load_plugins, new_plugin_manager
 from trtserver.protocol import (
     CHAT_REQUEST_FIELDS,
@@ -40,9 +41,8 @@ from trtserver.request_context import RequestContext
 from trtserver.serving import Api, Prepared, Service, new_request_id, tokens
 from trtserver.serving.chat import ChatApi
 from trtserver.serving.completions import CompletionsApi
-from trtserver.sse import stream_response, with_timeout
 
-log = structlog.get_logger("trtserver.server")
+log = structlog.get_logger("trtserver.http.app")
 
 
 
