@@ -71,6 +71,23 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     api_keys: list[str] = []
     no_limit_api_keys: list[str] = []
     quotas: dict[str, TierLimits] = {}
+    # API key -> the ai_project_id values it may use (a TOML table); with any binding, other projects are a 403
+    api_key_projects: dict[str, list[str]] = {}
+    # projects the in-memory quota store tracks at once (idle ones are forgotten first)
+    max_quota_projects: Annotated[int, Meta(ge=1)] = 10_000
+    # /metrics needs one of these keys when any is set (a key for scrapers alone)
+    metrics_api_keys: list[str] = []
+    # /metrics needs an API key (any of api_keys, no_limit_api_keys, metrics_api_keys)
+    metrics_need_api_key: bool = False
+    # what OpenMetrics exemplars on the latency histogram carry: nothing, the request id, or it and `user`
+    metrics_exemplars: Literal["none", "request_id", "request_id_and_user"] = "none"
+    # JSON bodies nested deeper than this (objects and arrays) are refused with a 400
+    max_json_depth: Annotated[int, Meta(ge=2)] = 64
+    # seconds a client may take to send a request's headers (from its first byte), and its body: then a 408
+    header_timeout_s: Annotated[float, Meta(gt=0)] = 10.0
+    body_timeout_s: Annotated[float, Meta(gt=0)] = 60.0
+    # seconds an idle keep-alive connection stays open
+    keepalive_timeout_s: Annotated[float, Meta(gt=0)] = 75.0
     adapters_dir: str | None = None
     prompt_log_dir: str | None = None
     shutdown_grace_s: Annotated[float, Meta(ge=0)] = 30.0
