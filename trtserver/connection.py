@@ -47,7 +47,8 @@ def parse_error(status: int, exc: BaseException | None) -> errors.APIError:
         return errors.EngineError("The server had an error while processing your request.")
     if isinstance(exc, http_exceptions.BadHttpMessage) and "too many headers" in str(exc).lower():
         return errors.InvalidRequest("Malformed HTTP request: too many headers")
-    reason = next((text for kind, text in _DESCRIPTIONS if isinstance(exc, kind)), "its request line, headers or framing are malformed")
+    reason = next((text for kind, text in _DESCRIPTIONS if isinstance(exc, kind)),
+                  "its request line, headers or framing are malformed")
     return errors.InvalidRequest(f"Malformed HTTP request: {reason}")
 
 
@@ -81,6 +82,14 @@ class GuardedRequestHandler(web_protocol.RequestHandler):
     def connection_lost(self, exc: BaseException | None) -> None:
         self._stop_head_timer()
         super().connection_lost(exc)
+
+    def log_exception(self, *args: Any, **kwargs: Any) -> None:
+        """aiohttp's own failures (e.g. reading the rest of a body that failed to decode) by kind only:
+        their messages and tracebacks may quote what the client sent."""
+        exc = kwargs.get("exc_info")
+        what = args[0] if args and isinstance(args[0], str) else None
+        log.warning("http_connection_error", what=what,
+                    error=type(exc).__name__ if isinstance(exc, BaseException) else None)
 
     def _stop_head_timer(self) -> None:
         if self._head_timer is not None:
