@@ -26,6 +26,7 @@ import pytest
 from tests.http.conftest import MODEL, start_server, stop_server
 from trtserver.config import TierLimits
 from trtserver.quota import WINDOW_S, MemoryQuotaStore
+from trtserver.server import json_depth
 
 GOOD_KEY, ALPHA_KEY, METRICS_KEY = "k-good", "k-alpha", "k-metrics"
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S = 1.5, 2.0
@@ -379,6 +380,14 @@ async def test_refused_requests_do_not_count_against_the_quota(server: Server) -
         assert statuses == [200, 200, 200]
         over = await post_as(session, ALPHA_KEY, "alpha", good)
         assert over.status == 429
+
+
+def test_json_depth_counts_structure_not_strings() -> None:
+    assert json_depth(b'{"prompt": [1, 2, 3]}') == 2
+    assert json_depth(b'{"a": [1, {"b": "[[[[{{{{"}]}') == 3
+    assert json_depth(b'{"a": "say \\"[[[\\" twice", "b": [[["\\\\"]]]}') == 4
+    assert json_depth(b"[" * 5000 + b"]" * 5000) == 5000
+    assert json_depth(b"") == json_depth(b'"[["') == 0
 
 
 def test_quota_store_is_bounded() -> None:
