@@ -229,20 +229,25 @@ ABUSE_KINDS = ("deep_json", "bad_gzip", "bad_request_id", "bad_chunk", "slow_hea
 HEAD_TIMEOUT_S, BODY_TIMEOUT_S = 2.0, 3.0  # the server's --header-timeout-s / --body-timeout-s here
 
 
-async def _raw(port: int, data: bytes, *, pause_s: float = 0.0, pieces: int = 1, hold: bool = False) -> bytes:
-    """``data`` over a fresh socket (in ``pieces``, ``pause_s`` apart); what the server sent until it closed."""
+async def _raw(port: int, data: bytes, *, pause_s: float = 0.0, pieces: int = 1) -> bytes:
+    """``data`` over a fresh socket (in ``pieces``, ``pause_s`` apart), read meanwhile; what the server
+    sent until it closed (it may close before everything was sent: a deadline or a refusal)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
+
+    async def send() -> None:
         size = max(1, -(-len(data) // pieces))
         for start in range(0, len(data), size):
             writer.write(data[start:start + size])
             await writer.drain()
-            if pause_s and start + size < len(data):
+            if pause_s:
                 await asyncio.sleep(pause_s)
-        if not hold:
-            return await asyncio.wait_for(reader.read(-1), 20)
-        return await asyncio.wait_for(reader.read(-1), HEAD_TIMEOUT_S + BODY_TIMEOUT_S + 10)
+
+    sender = asyncio.create_task(send())
+    try:
+        return await asyncio.wait_for(reader.read(-1), HEAD_TIMEOUT_S + BODY_TIMEOUT_S + 15)
     finally:
+        sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)  # a reset while sending is the server closing
         writer.close()
 
 
@@ -253,7 +258,7 @@ def _request(body: bytes, headers: str = "", length: int | None = None) -> bytes
 
 def _expect_envelope(reply: bytes, status: int) -> None:
     head, _, body = reply.partition(b"\r\n\r\n")
-    if not head.startswith(b"HTTP/1.1 %d " % status):
+    if not (head.startswith(b"HTTP/1.") and head[9:13] == b"%d " % status):
         raise Malformed(f"expected {status}, got {head[:60]!r}")
     if b"application/json" not in head or b"x-request-id" not in head.lower() or b'"error"' not in body:
         raise Malformed(f"not the JSON envelope: {reply[:300]!r}")
@@ -271,11 +276,11 @@ async def abuse(kind: str, session: aiohttp.ClientSession, base: str, port: int)
         head = _request(b"", "Transfer-Encoding: chunked\r\n").replace(b"Content-Length: 0\r\n", b"")
         _expect_envelope(await _raw(port, head + b"zz\r\n" + ok + b"\r\n0\r\n\r\n"), 400)
     elif kind == "slow_head":  # one byte every 0.25 s: the server answers 408 once the head is too late
-        _expect_envelope(await _raw(port, _request(ok)[:40], pause_s=0.25, pieces=40, hold=True), 408)
+        _expect_envelope(await _raw(port, _request(ok)[:40], pause_s=0.25, pieces=40), 408)
     elif kind == "cut_body":  # a head promising more body than ever comes: 408 after the body deadline
-        _expect_envelope(await _raw(port, _request(ok[:5], length=len(ok)), hold=True), 408)
+        _expect_envelope(await _raw(port, _request(ok[:5], length=len(ok))), 408)
     elif kind == "slow_reader":  # reads a stream a line at a time with pauses; the whole stream still arrives
-        body = {"prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True, "stream": True}
+        body = {"prompt": "Once upon a time", "max_tokens": 12, "ignore_eos": True, "stream": True}
         async with session.post(f"{base}/v1/completions", json=body) as response:
             if response.status != 200:
                 raise Malformed(f"HTTP {response.status}")
@@ -290,12 +295,12 @@ async def abuse(kind: str, session: aiohttp.ClientSession, base: str, port: int)
 
 async def abuser(index: int, base: str, port: int, deadline: float, tally: Tally) -> None:
     step = index
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as session:
         while time.monotonic() < deadline:
             kind = ABUSE_KINDS[step % len(ABUSE_KINDS)]
             step += 1
             try:
-                await asyncio.wait_for(abuse(kind, session, base, port), 30)
+                await asyncio.wait_for(abuse(kind, session, base, port), 60)
             except Malformed as exc:
                 tally.error(f"abuse:{kind}", str(exc))
             except (OSError, aiohttp.ClientError, TimeoutError) as exc:
