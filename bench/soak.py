@@ -11,6 +11,12 @@ Every client loops until the deadline over four kinds of request (client i start
 * ``logprobs``   non-streaming, ``logprobs=2``; one logprob per generated token
 * ``disconnect`` streaming, long; the client reads two chunks and drops the connection (deliberate)
 
+Beside them, ``--abusers`` clients (default 4) loop over careless and hostile requests, each bounded
+in time: JSON nested 5,000 deep, a gzip header on a plain body, a non-ASCII ``X-Request-Id``, a bad
+chunk size on a raw socket, a request head sent byte by byte (the server times it out), a body cut
+off mid-way, and a slow reader of a stream. Each must get its 4xx JSON envelope (the slow reader its
+whole stream); any other answer counts as an error.
+
 Checks (exit status 1 if any fails): zero errors (any non-200, or a transport error other than our
 deliberate disconnects, or a malformed answer), every completed stream ends with ``[DONE]``,
 server RSS growth < 5 % between the end of the warm-up and the end, and ``trtserver_running_sequences``
@@ -134,6 +140,7 @@ class Tally:
     tokens: int = 0
     streams_completed: int = 0
     streams_with_done: int = 0
+    abused: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def error(self, kind: str, what: str) -> None:
         self.errors[kind] += 1
@@ -216,6 +223,92 @@ async def run_disconnect(session: aiohttp.ClientSession, base: str, prompt: str,
 RUNNERS = {"stream": run_stream, "n2": run_n2, "logprobs": run_logprobs, "disconnect": run_disconnect}
 
 
+# --- the abusers ------------------------------------------------------------------------------------
+
+ABUSE_KINDS = ("deep_json", "bad_gzip", "bad_request_id", "bad_chunk", "slow_head", "cut_body", "slow_reader")
+HEAD_TIMEOUT_S, BODY_TIMEOUT_S = 2.0, 3.0  # the server's --header-timeout-s / --body-timeout-s here
+
+
+async def _raw(port: int, data: bytes, *, pause_s: float = 0.0, pieces: int = 1) -> bytes:
+    """``data`` over a fresh socket (in ``pieces``, ``pause_s`` apart), read meanwhile; what the server
+    sent until it closed (it may close before everything was sent: a deadline or a refusal)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+    async def send() -> None:
+        size = max(1, -(-len(data) // pieces))
+        for start in range(0, len(data), size):
+            writer.write(data[start:start + size])
+            await writer.drain()
+            if pause_s:
+                await asyncio.sleep(pause_s)
+
+    sender = asyncio.create_task(send())
+    try:
+        return await asyncio.wait_for(reader.read(-1), HEAD_TIMEOUT_S + BODY_TIMEOUT_S + 15)
+    finally:
+        sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)  # a reset while sending is the server closing
+        writer.close()
+
+
+def _request(body: bytes, headers: str = "", length: int | None = None) -> bytes:
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body) if length is None else length}\r\n{headers}\r\n").encode() + body
+
+
+def _expect_envelope(reply: bytes, status: int) -> None:
+    head, _, body = reply.partition(b"\r\n\r\n")
+    if not (head.startswith(b"HTTP/1.") and head[9:13] == b"%d " % status):
+        raise Malformed(f"expected {status}, got {head[:60]!r}")
+    if b"application/json" not in head or b"x-request-id" not in head.lower() or b'"error"' not in body:
+        raise Malformed(f"not the JSON envelope: {reply[:300]!r}")
+
+
+async def abuse(kind: str, session: aiohttp.ClientSession, base: str, port: int) -> None:
+    ok = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+    if kind == "deep_json":
+        _expect_envelope(await _raw(port, _request(b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}")), 400)
+    elif kind == "bad_gzip":
+        _expect_envelope(await _raw(port, _request(ok, "Content-Encoding: gzip\r\n")), 400)
+    elif kind == "bad_request_id":
+        _expect_envelope(await _raw(port, _request(ok, "X-Request-Id: caf\u00e9\r\n")), 400)
+    elif kind == "bad_chunk":
+        head = _request(b"", "Transfer-Encoding: chunked\r\n").replace(b"Content-Length: 0\r\n", b"")
+        _expect_envelope(await _raw(port, head + b"zz\r\n" + ok + b"\r\n0\r\n\r\n"), 400)
+    elif kind == "slow_head":  # one byte every 0.25 s: the server answers 408 once the head is too late
+        _expect_envelope(await _raw(port, _request(ok)[:40], pause_s=0.25, pieces=40), 408)
+    elif kind == "cut_body":  # a head promising more body than ever comes: 408 after the body deadline
+        _expect_envelope(await _raw(port, _request(ok[:5], length=len(ok))), 408)
+    elif kind == "slow_reader":  # reads a stream a line at a time with pauses; the whole stream still arrives
+        body = {"prompt": "Once upon a time", "max_tokens": 12, "ignore_eos": True, "stream": True}
+        async with session.post(f"{base}/v1/completions", json=body) as response:
+            if response.status != 200:
+                raise Malformed(f"HTTP {response.status}")
+            last = b""
+            async for line in response.content:
+                if line.strip():
+                    last = line.strip()
+                    await asyncio.sleep(0.05)
+            if last != b"data: [DONE]":
+                raise Malformed(f"slow reader's stream ended with {last[:100]!r}")
+
+
+async def abuser(index: int, base: str, port: int, deadline: float, tally: Tally) -> None:
+    step = index
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as session:
+        while time.monotonic() < deadline:
+            kind = ABUSE_KINDS[step % len(ABUSE_KINDS)]
+            step += 1
+            try:
+                await asyncio.wait_for(abuse(kind, session, base, port), 60)
+            except Malformed as exc:
+                tally.error(f"abuse:{kind}", str(exc))
+            except (OSError, aiohttp.ClientError, TimeoutError) as exc:
+                tally.error(f"abuse:{kind}", f"{type(exc).__name__}: {exc}")
+            else:
+                tally.abused[kind] += 1
+
+
 async def client(index: int, base: str, deadline: float, tally: Tally, request_timeout: float) -> None:
     step = index
     # one connection per client (as separate users would have); a disconnect forces a fresh one
@@ -259,7 +352,8 @@ async def prime_kv_cache(base: str, slots: int, context: int) -> float:
 
 
 async def soak(args: argparse.Namespace) -> int:
-    flags = ["--max-model-len", "256", "--max-batch-size", str(args.max_batch_size), *args.server_flag]
+    flags = ["--max-model-len", "256", "--max-batch-size", str(args.max_batch_size),
+             "--header-timeout-s", str(HEAD_TIMEOUT_S), "--body-timeout-s", str(BODY_TIMEOUT_S), *args.server_flag]
     server = ServerProcess(Path(args.engine_dir), flags, "soak")
     try:
         startup = await server.wait_ready()
@@ -274,6 +368,8 @@ async def soak(args: argparse.Namespace) -> int:
         rss: list[tuple[float, float]] = [(0.0, server.rss_mb())]
         tasks = [asyncio.create_task(client(i, server.base, deadline, tally, args.request_timeout))
                  for i in range(args.clients)]
+        tasks += [asyncio.create_task(abuser(i, server.base, server.port, deadline, tally))
+                  for i in range(args.abusers)]
         rss_warm = float("nan")
         while not all(task.done() for task in tasks):
             await asyncio.sleep(1.0)
@@ -311,6 +407,8 @@ async def soak(args: argparse.Namespace) -> int:
         print(f"| {kind:10} | {tally.done[kind]:6d} | {tally.errors[kind]:6d} | {pct(lat, 50):7.2f} | "
               f"{pct(lat, 95):7.2f} | {max(lat, default=float('nan')):7.2f} |")
     print(f"| {'all':10} | {completed:6d} | {errors:6d} | {'':7} | {'':7} | {'':7} |")
+    abuse_errors = sum(n for kind, n in tally.errors.items() if kind.startswith("abuse:"))
+    print(f"abusers: {args.abusers}; answered as expected {dict(tally.abused)}; otherwise {abuse_errors}")
     print()
     print(f"requests/s {completed / wall:.1f}; tokens of checked answers/s {tally.tokens / wall:.1f}")
     print(f"streams completed {tally.streams_completed}, ending with [DONE] {tally.streams_with_done}")
@@ -331,6 +429,7 @@ async def soak(args: argparse.Namespace) -> int:
         "zero errors": errors == 0,
         "every completed stream ends with [DONE]": tally.streams_completed == tally.streams_with_done > 0,
         "every kind completed": all(tally.done[kind] > 0 for kind in KINDS),
+        "every abuse kind answered as expected": args.abusers == 0 or set(tally.abused) == set(ABUSE_KINDS),
         "RSS growth < 5 % after warm-up": growth < 5.0,
         "running sequences back to 0": drained_s <= args.drain_timeout,
         "clean exit on SIGTERM": code == 0,
@@ -347,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--warmup", type=float, default=None, help="seconds (default: a quarter of --seconds)")
     parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--abusers", type=int, default=4, help="clients sending careless and hostile requests")
     parser.add_argument("--request-timeout", type=float, default=180.0)
     parser.add_argument("--drain-timeout", type=float, default=5.0,
                         help="how long running sequences may take to reach 0 after the load")

@@ -111,6 +111,26 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     no_limit_api_keys: Annotated[list[str], Meta(description="keys accepted and exempt from quotas")] = []
     quotas: Annotated[dict[str, TierLimits], Meta(
         description="per-tier requests and tokens per minute (a TOML table, no flag)")] = {}
+    api_key_projects: Annotated[dict[str, list[str]], Meta(
+        description="API key -> the ai_project_id values it may use (a TOML table); with any binding, other "
+                    "projects are a 403")] = {}
+    max_quota_projects: Annotated[int, Meta(
+        ge=1, description="projects the in-memory quota store tracks at once (idle ones are forgotten first)")] = 10_000
+    metrics_api_keys: Annotated[list[str], Meta(
+        description="/metrics needs one of these keys when any is set (a key for scrapers alone)")] = []
+    metrics_need_api_key: Annotated[bool, Meta(
+        description="/metrics needs an API key (any of api_keys, no_limit_api_keys, metrics_api_keys)")] = False
+    metrics_exemplars: Annotated[Literal["none", "request_id", "request_id_and_user"], Meta(
+        description="what OpenMetrics exemplars on the latency histogram carry: nothing, the request id, or it "
+                    "and `user`")] = "none"
+    max_json_depth: Annotated[int, Meta(
+        ge=2, description="JSON bodies nested deeper than this (objects and arrays) are refused with a 400")] = 64
+    header_timeout_s: Annotated[float, Meta(
+        gt=0, description="seconds a client may take to send a request's headers; then a 408")] = 10.0
+    body_timeout_s: Annotated[float, Meta(
+        gt=0, description="seconds a client may take to send a request's body; then a 408")] = 60.0
+    keepalive_timeout_s: Annotated[float, Meta(
+        gt=0, description="seconds an idle keep-alive connection stays open")] = 75.0
     adapters_dir: Annotated[str | None, Meta(
         description="directory of LoRA adapters, each served as a model name")] = None
     prompt_log_dir: Annotated[str | None, Meta(

@@ -74,6 +74,12 @@ class UnsupportedMediaType(APIError):
     code = "unsupported_media_type"
 
 
+class ExpectationFailed(APIError):
+    status = 417
+    type = "invalid_request_error"
+    code = "expectation_failed"
+
+
 class RateLimited(APIError):
     status = 429
     type = "rate_limit_error"
@@ -95,6 +101,14 @@ class RequestTimeout(APIError):
     status = 504
     type = "timeout_error"
     code = "request_timeout"
+
+
+class RequestReadTimeout(APIError):
+    """The client took too long to send its request's headers or body."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_read_timeout"
 
 
 class EngineError(APIError):

@@ -20,7 +20,8 @@ import collections
 import math
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from trtserver.config import ServerConfig, TierLimits
@@ -29,6 +30,7 @@ from trtserver.errors import InvalidRequest, PermissionDenied, RateLimited
 from trtserver.hookspecs import hookimpl
 
 WINDOW_S = 60.0
+MAX_PROJECT_ID_CHARS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +42,10 @@ class QuotaDecision:
 
 
 class QuotaStore(Protocol):
-    """Counts per project over a sliding minute. Methods may be async (return awaitables)."""
+    """Counts per project over a sliding minute. Methods may be async (return awaitables).
+
+    A store may also define ``refund(project, at)``, giving back the request ``acquire`` counted at
+    ``at``: a request refused as invalid after it was counted then costs its project nothing."""
 
     def acquire(self, project: str, limits: TierLimits, now: float) -> QuotaDecision | Awaitable[QuotaDecision]:
         """Decide whether one more request fits; count it when it does."""
@@ -49,26 +54,82 @@ class QuotaStore(Protocol):
         """Charge tokens used by a finished request."""
 
 
+# the quota counts this request took so far, in the request's own context (see ``track_counts``)
+_counted: ContextVar[list[tuple[QuotaStore, str, float]] | None] = ContextVar("trtserver_quota_counted",
+                                                                              default=None)
+
+
+def track_counts() -> None:
+    """Begin recording, for the request running in this context, what ``decide_tier`` counts."""
+    _counted.set([])
+
+
+async def refund_counts() -> None:
+    """Give back every request count recorded since ``track_counts`` (the request was refused)."""
+    from trtserver.plugins import await_me_maybe
+
+    counted = _counted.get()
+    if not counted:
+        return
+    _counted.set([])
+    for store, project, at in counted:
+        refund = getattr(store, "refund", None)  # optional in the QuotaStore protocol
+        if refund is not None:
+            await await_me_maybe(refund(project, at))
+
+
+@dataclass(slots=True)
+class _Window:
+    """One project's last minute: request times, (time, tokens) charges, and when it was last used."""
+
+    requests: collections.deque[float] = field(default_factory=collections.deque)
+    tokens: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)
+    used_tokens: int = 0
+    last_used: float = 0.0
+
+    def trim(self, now: float) -> None:
+        while self.requests and self.requests[0] <= now - WINDOW_S:
+            self.requests.popleft()
+        while self.tokens and self.tokens[0][0] <= now - WINDOW_S:
+            self.used_tokens -= self.tokens.popleft()[1]
+
+
 class MemoryQuotaStore:
-    """One process's counts; replicas each keep their own (use a shared store to pool them)."""
+    """One process's counts; replicas each keep their own (use a shared store to pool them).
 
-    def __init__(self) -> None:
-        self._requests: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
-        self._tokens: dict[str, collections.deque[tuple[float, int]]] = collections.defaultdict(collections.deque)
+    At most ``max_projects`` windows are kept: a window idle for a whole minute holds no counts and
+    is forgotten; past the bound the least recently used one is dropped too."""
 
-    def _trim(self, project: str, now: float) -> tuple[collections.deque[float], collections.deque[tuple[float, int]]]:
-        requests, tokens = self._requests[project], self._tokens[project]
-        while requests and requests[0] <= now - WINDOW_S:
-            requests.popleft()
-        while tokens and tokens[0][0] <= now - WINDOW_S:
-            tokens.popleft()
-        return requests, tokens
+    def __init__(self, max_projects: int = 10_000) -> None:
+        self.max_projects = max_projects
+        self._windows: collections.OrderedDict[str, _Window] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._windows)
+
+    def _window(self, project: str, now: float) -> _Window:
+        windows = self._windows
+        while windows:  # oldest first: stop at the first one still inside the minute
+            oldest = next(iter(windows.values()))
+            if oldest.last_used > now - WINDOW_S:
+                break
+            windows.popitem(last=False)
+        window = windows.get(project)
+        if window is None:
+            if len(windows) >= self.max_projects:
+                windows.popitem(last=False)
+            window = windows[project] = _Window()
+        else:
+            windows.move_to_end(project)
+        window.last_used = max(window.last_used, now)
+        window.trim(now)
+        return window
 
     def acquire(self, project: str, limits: TierLimits, now: float) -> QuotaDecision:
-        requests, tokens = self._trim(project, now)
-        used_tokens = sum(n for _, n in tokens)
+        window = self._window(project, now)
+        requests, tokens = window.requests, window.tokens
         left_requests = None if limits.requests_per_minute is None else limits.requests_per_minute - len(requests)
-        left_tokens = None if limits.tokens_per_minute is None else limits.tokens_per_minute - used_tokens
+        left_tokens = None if limits.tokens_per_minute is None else limits.tokens_per_minute - window.used_tokens
         if (left_requests is not None and left_requests <= 0) or (left_tokens is not None and left_tokens <= 0):
             firsts = ([requests[0]] if requests else []) + ([tokens[0][0]] if tokens else [])
             oldest = min(firsts, default=now)
@@ -78,12 +139,20 @@ class MemoryQuotaStore:
         return QuotaDecision(True, None if left_requests is None else left_requests - 1, left_tokens)
 
     def add_tokens(self, project: str, tokens: int, now: float) -> None:
-        self._tokens[project].append((now, tokens))
+        window = self._window(project, now)
+        window.tokens.append((now, tokens))
+        window.used_tokens += tokens
+
+    def refund(self, project: str, at: float) -> None:
+        """Give back the request ``acquire`` counted at ``at`` (it was refused as invalid)."""
+        window = self._windows.get(project)
+        if window is not None and at in window.requests:
+            window.requests.remove(at)
 
 
 @hookimpl(trylast=True)
 def trtserver_quota_store(config: ServerConfig) -> QuotaStore:
-    return MemoryQuotaStore()
+    return MemoryQuotaStore(max_projects=config.max_quota_projects)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +177,31 @@ def quota_headers(decision: QuotaDecision) -> dict[str, str]:
     return headers
 
 
+def bound_project(project: str | None, api_key: str | None, config: ServerConfig) -> str | None:
+    """The project a request counts against, checked against the key's bindings (``api_key_projects``).
+
+    With bindings configured, a key may name only its own projects (any other is a 403) and one that
+    names none counts against its first; a key without bindings may name none."""
+    if project is not None and (not project or len(project) > MAX_PROJECT_ID_CHARS or not project.isprintable()):
+        raise InvalidRequest(f"ai_project_id must be 1 to {MAX_PROJECT_ID_CHARS} printable characters",
+                             param="ai_project_id")
+    bindings = config.api_key_projects
+    if not bindings:
+        return project
+    allowed = bindings.get(api_key or "", [])
+    if project is None:
+        return allowed[0] if allowed else None
+    if project not in allowed:
+        raise PermissionDenied(f"this API key may not use project {project!r}", param="ai_project_id",
+                               code="project_not_allowed")
+    return project
+
+
 async def decide_tier(requested: str | None, project: str | None, api_key: str | None, config: ServerConfig,
                       store: QuotaStore, flex_waiting: int, max_flex_waiting: int) -> TierDecision:
     from trtserver.plugins import await_me_maybe
 
+    project = bound_project(project, api_key, config)
     tier = requested or "auto"
     if tier == "over-limit":
         raise InvalidRequest("service_tier \"over-limit\" is assigned by the server and cannot be requested",
@@ -130,11 +220,15 @@ async def decide_tier(requested: str | None, project: str | None, api_key: str |
     limits = limits_for(config, key)
     if limits is None:
         return TierDecision(tier, Priority.NORMAL, project, False, {})
-    decision = await await_me_maybe(store.acquire(key, limits, time.monotonic()))
+    now = time.monotonic()
+    decision = await await_me_maybe(store.acquire(key, limits, now))
     if not isinstance(decision, QuotaDecision):
         raise TypeError("QuotaStore.acquire must return a QuotaDecision")
     headers = quota_headers(decision)
     if decision.allowed:
+        counted = _counted.get()
+        if counted is not None:
+            counted.append((store, key, now))
         return TierDecision(tier, Priority.NORMAL, project, True, headers)
     if tier == "auto":
         return TierDecision("over-limit", Priority.LOW, project, False, headers)

@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import collections
 import copy
+import gzip
 import json
 import os
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests  # schemathesis's transport
 import schemathesis  # a hard import: a missing dev dependency is an error, never a silent skip
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis.checks import response_schema_conformance
 
 from tests.http.conftest import start_server
@@ -160,6 +163,62 @@ def check_properties(case: schemathesis.Case, fuzz_base_url: str) -> None:
         return
     if status == 200 and content_type.startswith("application/json"):
         case.validate_response(response, checks=[response_schema_conformance])
+
+
+# --- what the schema cannot generate: nesting, encodings, header bytes ---------------------------
+
+HOSTILE_EXAMPLES = int(os.environ.get("TRTSERVER_FUZZ_HOSTILE_EXAMPLES", "25"))
+FIELDS = ("prompt", "guided_json", "extra_body", "logits_processors", "logit_bias", "stop", "no_such_field")
+
+
+def check_raw(response: requests.Response) -> None:
+    assert response.status_code < 500, f"{response.status_code}: {response.text[:300]}"
+    assert response.headers.get("X-Request-Id"), response.headers
+    if response.status_code >= 400:
+        assert response.headers.get("Content-Type", "").startswith("application/json"), response.headers
+        error = response.json()["error"]
+        assert set(error) == ENVELOPE_KEYS and error["message"], error
+
+
+SHAPES = {"array": ("[", "", "]"), "object": ('{"k":', "1", "}"), "mixed": ('[{"k":', "1", "}]")}
+
+
+@given(depth=st.integers(min_value=1, max_value=30_000), field=st.sampled_from(FIELDS),
+       shape=st.sampled_from(sorted(SHAPES)), closed=st.booleans())
+@settings(max_examples=HOSTILE_EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+def test_deep_nesting_is_never_a_5xx(fuzz_base_url: str, depth: int, field: str, shape: str, closed: bool) -> None:
+    opener, inner, closer = SHAPES[shape]
+    value = opener * depth + inner + (closer * depth if closed else "")
+    body = f'{{"prompt": "Hi", "max_tokens": 1, "{field}": {value}}}'.encode()
+    check_raw(requests.post(f"{fuzz_base_url}/v1/completions", data=body, timeout=60,
+                            headers={"Content-Type": "application/json"}))
+
+
+@given(encoding=st.sampled_from(["gzip", "deflate", "br", "zstd", "x-gzip", "identity", "gzip, deflate", "GZIP",
+                                 "compress", ""]),
+       payload=st.sampled_from(["plain", "gzip", "deflate", "truncated", "noise"]), noise=st.binary(max_size=64))
+@settings(max_examples=HOSTILE_EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+def test_content_encodings_are_never_a_5xx(fuzz_base_url: str, encoding: str, payload: str, noise: bytes) -> None:
+    plain = json.dumps({"prompt": "Hi", "max_tokens": 1}).encode()
+    data = {"plain": plain, "gzip": gzip.compress(plain), "deflate": zlib.compress(plain),
+            "truncated": gzip.compress(plain)[:12], "noise": noise}[payload]
+    check_raw(requests.post(f"{fuzz_base_url}/v1/completions", data=data, timeout=60,
+                            headers={"Content-Type": "application/json", "Content-Encoding": encoding}))
+
+
+@given(request_id=st.binary(min_size=1, max_size=300).filter(lambda b: b"\r" not in b and b"\n" not in b
+                                                               and b"\x00" not in b and b.strip() == b),
+       stream=st.booleans())
+@settings(max_examples=HOSTILE_EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+def test_request_id_bytes_are_never_a_5xx(fuzz_base_url: str, request_id: bytes, stream: bool) -> None:
+    response = requests.post(f"{fuzz_base_url}/v1/completions", timeout=60, headers={"X-Request-Id": request_id},
+                             json={"prompt": "Hi", "max_tokens": 1, "stream": stream})
+    check_raw(response)
+    if response.status_code == 200:
+        assert response.headers["X-Request-Id"].encode("latin-1") == request_id
 
 
 def test_fuzzing_reached_every_outcome() -> None:

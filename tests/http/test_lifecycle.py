@@ -326,9 +326,10 @@ async def test_sigterm_exits_after_grace_even_with_a_long_request(engine_dir: Pa
             # whole 1000-token answer instead would also end the stream with [DONE] (checked below)
             assert elapsed < 8.0, elapsed
             assert code == 0
-            # the client is not left hanging either: its stream ends (cut short, no [DONE])
+            # the client is not left hanging either: its stream ends, cut short, with an error event and [DONE]
             rest = await asyncio.wait_for(_drain_lines(lines), 10)
-            assert "[DONE]" not in rest
+            assert rest[-1] == "[DONE]", rest[-3:]
+            assert assert_envelope(json.loads(rest[-2]))["code"] == "server_shutdown"
     finally:
         server.stop()
 

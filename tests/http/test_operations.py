@@ -16,7 +16,7 @@ async def ops_client(trtserver_client_factory: Any) -> Any:
     return await trtserver_client_factory(
         api_keys=["k-default"], no_limit_api_keys=["k-vip"],
         quotas={"default": TierLimits(requests_per_minute=2), "big": TierLimits(requests_per_minute=100)},
-        max_flex_waiting=0)
+        max_flex_waiting=0, metrics_exemplars="request_id_and_user")
 
 
 def auth(key: str = "k-default") -> dict[str, str]:

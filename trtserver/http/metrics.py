@@ -32,7 +32,8 @@ class _EngineCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, engine_stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats | None], exemplars: str = "none") -> None:
+        self.exemplars = exemplars  # none | request_id | request_id_and_user (ServerConfig.metrics_exemplars)
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("trtserver_requests", "Completed HTTP requests to /v1/completions",
                                 ["status", "tier"], registry=self.registry)
@@ -51,14 +52,18 @@ class Metrics:
                         ttft_s: float | None, total_s: float, request_id: str = "", user: str | None = None) -> None:
         """Once per request: token-level timing is summarised by the caller, never observed per token.
 
-        The request id and the client's ``user`` ride on the latency histogram as an OpenMetrics
-        exemplar (shown to scrapers that ask for OpenMetrics), not as labels, which would grow
-        without bound."""
+        Where the operator asks for them (``metrics_exemplars``), the request id and the client's
+        ``user`` ride on the latency histogram as an OpenMetrics exemplar (shown to scrapers that ask
+        for OpenMetrics), not as labels, which would grow without bound; by default they carry
+        nothing that identifies a client."""
         self.requests.labels(status=str(status), tier=tier or "none").inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.completion_tokens.inc(completion_tokens)
-        # exemplar label sets are limited to 128 characters in all
-        exemplar = {"request_id": request_id[:64], "user": (user or "")[:48]}
+        exemplar: dict[str, str] | None = None
+        if self.exemplars != "none":  # exemplar label sets are limited to 128 characters in all
+            exemplar = {"request_id": request_id[:64]}
+            if self.exemplars == "request_id_and_user":
+                exemplar["user"] = (user or "")[:48]
         self.request_latency.observe(total_s, exemplar=exemplar)
         if ttft_s is not None:
             self.time_to_first_token.observe(ttft_s)

@@ -13,13 +13,17 @@ from aiohttp import web
 
 from trtserver.config import ServerConfig
 from trtserver.engine.base import Engine
-from trtserver.http.app import STATE
+from trtserver.http.app import STATE, end_requests
+from trtserver.http.connection import GuardedAppRunner
 
 log = structlog.get_logger("trtserver")
+# seconds the rest of an unread body is read (and dropped) after a refusal, so the client sees the answer
+LINGERING_S = 2.0
 
 
 async def drain(app: web.Application, grace_s: float) -> None:
-    """Refuse new requests (503) and give running ones up to ``grace_s`` to finish."""
+    """Refuse new requests (503) and give running ones up to ``grace_s`` to finish; then cut off those
+    still running (a stream ends with an error event and ``[DONE]``)."""
     state = app[STATE]
     state.draining = True
     loop = asyncio.get_running_loop()
@@ -28,6 +32,7 @@ async def drain(app: web.Application, grace_s: float) -> None:
         await asyncio.sleep(0.05)
     if state.in_flight:
         log.warning("shutdown_grace_expired", in_flight=state.in_flight)
+    await end_requests(app)
 
 
 def pin_event_loop(loop: asyncio.AbstractEventLoop) -> None:
@@ -55,7 +60,9 @@ def _pin_if_bound(engine: Engine) -> None:
 
 async def run_server(app: web.Application, config: ServerConfig) -> int:
     app[STATE].engine_started = _pin_if_bound  # before it reports ready (the loading begins in setup)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    runner = GuardedAppRunner(app, header_timeout_s=config.header_timeout_s, handler_cancellation=True,
+                              access_log=None, shutdown_timeout=1.0, keepalive_timeout=config.keepalive_timeout_s,
+                              lingering_time=LINGERING_S)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()

@@ -127,3 +127,11 @@ async def stream_response(request: web.Request, service: Service, api: Api[Any],
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
+
+
+async def end_stream_with_error(response: web.StreamResponse, error: errors.APIError) -> None:
+    """End a stream whose headers are out from outside its writer (the server is shutting down):
+    an error event, ``[DONE]``, the end of the body."""
+    await response.write(_event(error.envelope()))
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
