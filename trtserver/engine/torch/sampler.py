@@ -15,16 +15,21 @@ The order, per step, for a batch of rows (one per sequence):
 
 The common case (no penalties, processors, biases or guides) has no per-row tensor work; the
 only host sync is reading the sampled ids (and the logprobs, when asked).
+
+A row whose own work raises (a plugin's processor or guide) is reported in ``SampleResult.failed``
+and the batch goes on without it: its row is left neutral, its token is not to be used.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+from trtserver.errors import APIError, EngineError
 
 if TYPE_CHECKING:
     from trtserver.engine.torch.sequence import Sequence
@@ -44,6 +49,15 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float] | None = None  # of each sampled token, when any row asked (or beams)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per row, up to that row's k
+    failed: dict[int, BaseException] = field(default_factory=dict)  # rows whose own work raised
+
+
+def row_error(what: str, exc: BaseException) -> BaseException:
+    """The error a request's stream raises when its own object (``what``) failed: a client error
+    the object raised stays one; anything else is the engine's."""
+    if isinstance(exc, APIError):
+        return exc
+    return EngineError(f"{what} failed: {exc!r}")
 
 
 class Sampler:
@@ -67,13 +81,21 @@ class Sampler:
         return g
 
     # ---- step 1 ---------------------------------------------------------------------------
-    def process(self, logits: Tensor, rows: Seq[Sequence]) -> Tensor:
-        """Apply processors, penalties, biases and masks to ``logits`` (B, V) in place."""
+    def process(self, logits: Tensor, rows: Seq[Sequence], failed: dict[int, BaseException] | None = None) -> Tensor:
+        """Apply processors, penalties, biases and masks to ``logits`` (B, V) in place. A row whose
+        logits processor or guide raises goes into ``failed`` (row -> error), its logits zeroed."""
+        if failed is None:
+            failed = {}
         for i, seq in enumerate(rows):
             p = seq.params
             if seq.processors:
-                for proc in seq.processors:
-                    proc(seq.output_ids, logits[i])
+                try:
+                    for proc in seq.processors:
+                        proc(seq.output_ids, logits[i])
+                except Exception as exc:  # noqa: BLE001 - a plugin's object: its request fails, not the batch
+                    failed[i] = row_error("a logits processor", exc)
+                    logits[i] = 0.0
+                    continue
             if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
                 self._penalize(logits[i], seq)
             if p.logit_bias:
@@ -89,7 +111,9 @@ class Sampler:
                 if banned:
                     logits[i, banned] = NEG_INF
         if any(seq.constraint is not None for seq in rows):
-            self.apply_bitmask(logits, self.fill_bitmask(rows))
+            self.apply_bitmask(logits, self.fill_bitmask(rows, failed))
+        if failed:
+            logits[list(failed)] = 0.0
         return logits
 
     def _penalize(self, row: Tensor, seq: Sequence) -> None:
@@ -106,13 +130,21 @@ class Sampler:
         if p.presence_penalty:
             row.sub_((counts > 0).to(row.dtype) * p.presence_penalty)
 
-    def fill_bitmask(self, rows: Seq[Sequence]) -> Tensor:
-        """One ``(B, ceil(V / 32))`` int32 mask; unconstrained rows allow everything."""
+    def fill_bitmask(self, rows: Seq[Sequence], failed: dict[int, BaseException] | None = None) -> Tensor:
+        """One ``(B, ceil(V / 32))`` int32 mask; unconstrained rows (and rows whose guide raised,
+        reported in ``failed``) allow everything."""
         mask = torch.full((len(rows), self.bitmask_words), -1, dtype=torch.int32)
         for i, seq in enumerate(rows):
             if seq.constraint is not None:
                 mask[i] = 0
-                seq.constraint.fill_bitmask(mask, i)
+                try:
+                    seq.constraint.fill_bitmask(mask, i)
+                except Exception as exc:  # noqa: BLE001 - a plugin's guide: its request fails, not the batch
+                    mask[i] = -1
+                    if failed is not None:
+                        failed[i] = row_error("the guided decoder", exc)
+                    else:
+                        raise
         return mask
 
     def apply_bitmask(self, logits: Tensor, mask: Tensor) -> None:
@@ -125,7 +157,8 @@ class Sampler:
     # ---- steps 2 and 3 --------------------------------------------------------------------
     def sample(self, logits: Tensor, rows: Seq[Sequence], *, want_logprobs: bool = False) -> SampleResult:
         """Process ``logits`` (B, V) float32 in place and draw one token per row."""
-        self.process(logits, rows)
+        failed: dict[int, BaseException] = {}
+        self.process(logits, rows, failed)
         params = [seq.params for seq in rows]
         top_k = [p.logprobs or 0 for p in params]
         need_logprobs = want_logprobs or any(p.logprobs is not None for p in params)
@@ -137,7 +170,7 @@ class Sampler:
             ids = self._draw(logits, rows)
 
         token_ids: list[int] = ids.tolist()
-        result = SampleResult(token_ids)
+        result = SampleResult(token_ids, failed=failed)
         if logprobs is not None:
             result.logprobs = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
             k = max(top_k)
