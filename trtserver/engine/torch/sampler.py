@@ -11,7 +11,9 @@ The order, per step, for a batch of rows (one per sequence):
 3. temperature, top-k, top-p, min-p, then one draw per row by inverse CDF from a single uniform
    number taken from the row's own ``torch.Generator`` (seeded rows: the sequence's generator,
    so the same seed gives the same tokens whatever else is in the batch). Rows with temperature
-   < 1e-5 take the argmax.
+   < 1e-5 take the argmax. Top-k keeps exactly k tokens and top-p grows the nucleus in greedy's
+   order, ties going to the lowest id as argmax breaks them: ``top_k=1`` or a tiny ``top_p`` is
+   greedy.
 
 The common case (no penalties, processors, biases or guides) has no per-row tensor work; the
 only host sync is reading the sampled ids (and the logprobs, when asked).
@@ -32,6 +34,7 @@ from torch import Tensor
 from trtserver.errors import APIError, EngineError
 
 if TYPE_CHECKING:
+    from trtserver.engine.base import SamplingParams
     from trtserver.engine.torch.sequence import Sequence
 
 NEG_INF = float("-inf")
@@ -189,19 +192,15 @@ class Sampler:
         temps = on_device([1.0 if g else p.temperature for g, p in zip(greedy, params)], dev)
         scaled = logits / temps.unsqueeze(1)  # (B, V)
         if any(p.top_k > 0 for p in params):
-            vocab = scaled.shape[1]
-            ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
-            kth = scaled.topk(max(ks), dim=-1).values  # (B, kmax), descending
-            thresh = kth.gather(1, on_device(ks, dev).unsqueeze(1) - 1)  # (B, 1)
-            off = on_device([p.top_k <= 0 for p in params], dev).unsqueeze(1)
-            thresh = torch.where(off, NEG_INF, thresh)  # a boolean index would sync on CUDA
-            scaled.masked_fill_(scaled < thresh, NEG_INF)
+            scaled.masked_fill_(self._top_k_drop(logits, params), NEG_INF)
         if any(p.top_p < 1.0 for p in params):
             top_p = on_device([p.top_p for p in params], dev).unsqueeze(1)
-            sorted_logits, order = scaled.sort(dim=-1, descending=True)
-            probs = sorted_logits.softmax(dim=-1)
-            drop = (probs.cumsum(dim=-1) - probs) > top_p  # mass before this token already > top_p
-            scaled.scatter_(1, order, sorted_logits.masked_fill(drop, NEG_INF))
+            values = scaled.sort(dim=-1, descending=True).values
+            probs = values.softmax(dim=-1)
+            # the nucleus: as many tokens as it takes for the mass before the last to stay <= top_p
+            size = ((probs.cumsum(dim=-1) - probs) <= top_p).sum(dim=-1, keepdim=True)  # (B, 1), >= 1
+            size = torch.where(top_p >= 1.0, scaled.shape[1], size)
+            scaled.masked_fill_(keep_only(scaled, values, size), NEG_INF)
         probs = scaled.softmax(dim=-1)  # (B, V)
         if any(p.min_p > 0.0 for p in params):
             min_p = on_device([p.min_p for p in params], dev).unsqueeze(1)
@@ -216,3 +215,32 @@ class Sampler:
         if any(greedy):
             ids = torch.where(on_device(greedy, dev), logits.argmax(dim=-1), ids)
         return ids
+
+    @staticmethod
+    def _top_k_drop(logits: Tensor, params: Seq[SamplingParams]) -> Tensor:
+        """Which tokens each row's top-k drops (none, for rows without one), ranked on the logits
+        before temperature."""
+        dev, vocab = logits.device, logits.shape[1]
+        ks = [min(p.top_k, vocab) if p.top_k > 0 else 1 for p in params]
+        values = logits.topk(min(max(ks) + 1, vocab), dim=-1).values  # (B, kmax + 1), descending
+        drop = keep_only(logits, values, on_device(ks, dev).unsqueeze(1))
+        off = [p.top_k <= 0 for p in params]
+        if any(off):
+            drop.masked_fill_(on_device(off, dev).unsqueeze(1), False)
+        return drop
+
+
+def keep_only(x: Tensor, values: Tensor, k: Tensor) -> Tensor:
+    """The mask of what to drop from each row of ``x`` (B, V) to keep exactly ``k`` (B, 1) of its
+    largest, ties at the k-th value going to the lowest ids as argmax breaks them: keeping one
+    is greedy. ``values``: each row's largest values, descending, at least k + 1 of them or all V."""
+    width = values.shape[1]
+    kth = values.gather(1, k - 1)  # (B, 1): the k-th largest value
+    drop = x < kth
+    # more than k kept only where the next value ties with the k-th (on CPU, checked for free)
+    surplus = (values.gather(1, k.clamp(max=width - 1)) == kth) & (k < width)
+    if x.device.type != "cpu" or bool(surplus.any()):
+        tied = (x == kth) & surplus
+        room = k - (x > kth).sum(dim=-1, keepdim=True)
+        drop |= tied & (tied.cumsum(dim=-1) > room)
+    return drop
