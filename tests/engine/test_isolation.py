@@ -184,3 +184,55 @@ async def test_several_bad_requests_in_one_step(engine: TorchEngine, alone: list
             break
         await asyncio.sleep(0.01)
     assert engine.stats().slots_used == 0
+
+
+# ---- constraints that leave no token: an error for that request, never a forbidden token ----------
+
+async def test_allowed_token_ids_all_ruled_out_by_min_tokens_is_a_400(engine: TorchEngine, alone: list[int]) -> None:
+    eos = engine.info.eos_token_ids[0]
+    good, outcome = await beside_good(engine, request(engine, min_tokens=5, allowed_token_ids=(eos,), max_tokens=8))
+    assert good == alone
+    assert isinstance(outcome, InvalidRequest) and outcome.param == "allowed_token_ids", outcome
+    assert "min_tokens" in outcome.message
+
+
+class MasksEverything:
+    def __call__(self, output_token_ids: Sequence[int], logits: torch.Tensor) -> None:
+        if len(output_token_ids) >= 2:
+            logits.fill_(float("-inf"))
+
+
+@pytest.mark.parametrize("case", ["empty-guide", "guide-only-eos-under-min-tokens", "processor-masks-all",
+                                  "allowed-with-processor"])
+async def test_no_allowed_token_ends_the_request_with_an_error(engine: TorchEngine, alone: list[int],
+                                                               case: str) -> None:
+    eos = engine.info.eos_token_ids[0]
+    if case == "empty-guide":
+        bad = request(engine, max_tokens=6, temperature=1.0)
+        bad.guided, param = AllowedTokens(()), "guided"
+    elif case == "guide-only-eos-under-min-tokens":
+        bad = request(engine, max_tokens=6, temperature=0.0, min_tokens=3)
+        bad.guided, param = AllowedTokens((eos,)), "guided"
+    elif case == "processor-masks-all":
+        bad = request(engine, max_tokens=6, temperature=0.7, seed=1)
+        bad.logits_processors, param = (MasksEverything,), None
+    else:
+        bad = request(engine, max_tokens=6, temperature=0.0, allowed_token_ids=(100, 200))
+        bad.logits_processors, param = (MasksEverything,), "allowed_token_ids"
+    emitted: list[int] = []
+
+    async def consume() -> None:
+        async for delta in engine.generate(bad):
+            emitted.extend(delta.token_ids)
+
+    started = asyncio.Event()
+    good_task = asyncio.create_task(good_tokens(engine, started))
+    await asyncio.wait_for(started.wait(), 60)
+    with pytest.raises(InvalidRequest) as err:
+        await consume()
+    assert err.value.param == param and "allow" in err.value.message, err.value
+    assert await good_task == alone
+    if case.startswith("processor") or case.startswith("allowed"):
+        assert len(emitted) == 2 and (case != "allowed-with-processor" or set(emitted) <= {100, 200})
+    else:
+        assert emitted == []

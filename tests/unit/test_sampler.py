@@ -174,3 +174,16 @@ def test_a_tiny_top_p_is_greedy_also_on_a_tie(sampler: Sampler) -> None:
     assert draws(sampler, tie, seq(top_p=1e-6, top_k=5)) == {greedy}
     # the nucleus grows along greedy's order: the tied tokens by id
     assert draws(sampler, tie, seq(top_p=0.34)) == {2, 5}
+
+
+def test_a_row_with_no_allowed_token_fails_alone(sampler: Sampler) -> None:
+    from trtserver.errors import InvalidRequest
+
+    rows = [seq(allowed_token_ids=(EOS,), min_tokens=2), seq(temperature=0.0), seq()]
+    rows[2].constraint = AllowedTokens(())
+    out = sampler.sample(logits([1.0] * V, [0, 0, 9, 0, 0, 0, 0, 0], flat()), rows)
+    assert set(out.failed) == {0, 2} and out.token_ids[1] == 2
+    assert isinstance(out.failed[0], InvalidRequest) and out.failed[0].param == "allowed_token_ids"
+    assert isinstance(out.failed[2], InvalidRequest) and out.failed[2].param == "guided"
+    # once min_tokens is reached, EOS is allowed again
+    assert not sampler.sample(logits(flat()), [seq(output=[1, 1], allowed_token_ids=(EOS,), min_tokens=2)]).failed

@@ -103,6 +103,12 @@ class EngineCore:
             if ids and (min(ids) < 0 or max(ids) >= vocab):
                 bad = next(t for t in ids if not 0 <= t < vocab)
                 raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param=param)
+        if p.allowed_token_ids is not None:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids) if p.min_tokens else set()
+            if not set(p.allowed_token_ids) - banned:
+                why = (" with min_tokens, which rules out EOS and the stop tokens until it is reached"
+                       if p.allowed_token_ids else "")
+                raise InvalidRequest(f"allowed_token_ids leaves no token to generate{why}", param="allowed_token_ids")
 
     def abort(self, request_id: str, index: int | None = None) -> list[Sequence]:
         seqs = self.scheduler.abort(request_id, index)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from trtserver.errors import APIError, EngineError
+from trtserver.errors import APIError, EngineError, InvalidRequest
 
 if TYPE_CHECKING:
     from trtserver.engine.base import SamplingParams
@@ -53,6 +53,24 @@ class SampleResult:
     logprobs: list[float] | None = None  # of each sampled token, when any row asked (or beams)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per row, up to that row's k
     failed: dict[int, BaseException] = field(default_factory=dict)  # rows whose own work raised
+
+
+def no_token_allowed(seq: Sequence) -> InvalidRequest:
+    """The error of a sequence whose constraints, together, allow no next token."""
+    p = seq.params
+    if seq.constraint is not None:
+        return InvalidRequest("guided decoding allows no token after the text generated so far "
+                              f"({len(seq.output_ids)} tokens): the guide cannot be completed", param="guided")
+    rules: list[tuple[str | None, str]] = []
+    if p.allowed_token_ids is not None:
+        rules.append(("allowed_token_ids", "allowed_token_ids"))
+    if len(seq.output_ids) < p.min_tokens:
+        rules.append(("min_tokens", f"min_tokens (no EOS or stop token before token {p.min_tokens + 1})"))
+    if seq.processors:
+        rules.append((None, "the logits processors (bad words, ...)"))
+    return InvalidRequest(f"no token is allowed at generated token {len(seq.output_ids) + 1}: "
+                          f"{' and '.join(text for _, text in rules)} rule out every token",
+                          param=rules[0][0] if rules else None)
 
 
 def row_error(what: str, exc: BaseException) -> BaseException:
@@ -86,11 +104,16 @@ class Sampler:
     # ---- step 1 ---------------------------------------------------------------------------
     def process(self, logits: Tensor, rows: Seq[Sequence], failed: dict[int, BaseException] | None = None) -> Tensor:
         """Apply processors, penalties, biases and masks to ``logits`` (B, V) in place. A row whose
-        logits processor or guide raises goes into ``failed`` (row -> error), its logits zeroed."""
+        logits processor or guide raises, or whose masks leave no token allowed, goes into
+        ``failed`` (row -> error), its logits zeroed."""
         if failed is None:
             failed = {}
+        masked: list[int] = []  # rows that something may have masked entirely
         for i, seq in enumerate(rows):
             p = seq.params
+            if seq.processors or p.allowed_token_ids is not None or seq.constraint is not None \
+                    or len(seq.output_ids) < p.min_tokens:
+                masked.append(i)
             if seq.processors:
                 try:
                     for proc in seq.processors:
@@ -115,9 +138,20 @@ class Sampler:
                     logits[i, banned] = NEG_INF
         if any(seq.constraint is not None for seq in rows):
             self.apply_bitmask(logits, self.fill_bitmask(rows, failed))
+        if masked:
+            self._find_dead_rows(logits, rows, masked, failed)
         if failed:
             logits[list(failed)] = 0.0
         return logits
+
+    def _find_dead_rows(self, logits: Tensor, rows: Seq[Sequence], masked: list[int],
+                        failed: dict[int, BaseException]) -> None:
+        """Rows where no token is allowed any more fail with the request's error: a token the
+        constraints forbid is never drawn."""
+        dead = torch.isneginf(logits[masked].amax(dim=-1)).tolist()
+        for i, is_dead in zip(masked, dead):
+            if is_dead and i not in failed:
+                failed[i] = no_token_allowed(rows[i])
 
     def _penalize(self, row: Tensor, seq: Sequence) -> None:
         p = seq.params
