@@ -18,7 +18,7 @@ from trtserver.config import ServerConfig
 from trtserver.engine.base import EngineStats, GenerationRequest, Priority, SamplingParams, SequenceOutput
 from trtserver.engine.torch import ipc
 from trtserver.engine.torch.engine import TorchEngine
-from trtserver.errors import EngineError, NotFound
+from trtserver.errors import EngineError, InvalidRequest, NotFound
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -76,7 +76,7 @@ async def test_closing_the_stream_aborts_in_the_engine_process(proc_engine: Torc
 
 async def test_an_error_there_fails_only_its_request(proc_engine: TorchEngine) -> None:
     empty = GenerationRequest("empty-prompt", [], SamplingParams(max_tokens=3))
-    with pytest.raises(EngineError, match="ValueError: the prompt is empty"):
+    with pytest.raises(InvalidRequest, match="the prompt is empty"):
         [d async for d in proc_engine.generate(empty)]
     assert len(await greedy(proc_engine, "Still serving", max_tokens=3)) == 3
 

@@ -11,6 +11,7 @@ failure of the batch itself (the model's forward) fails every request of the ste
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -21,6 +22,7 @@ from trtserver.engine.base import EngineStats, FinishReason, GenerationRequest, 
 from trtserver.engine.torch.beam import BeamState
 from trtserver.engine.torch.cache import KVCache
 from trtserver.engine.torch.model import SMALL_BATCH, ForwardContext, Transformer
+from trtserver.engine.torch.prepare import Preparer
 from trtserver.engine.torch.sampler import Sampler, row_error
 from trtserver.engine.torch.scheduler import PrefillChunk, Scheduler
 from trtserver.engine.torch.sequence import Group, Sequence
@@ -58,16 +60,41 @@ class EngineCore:
         self.num_decode_forwards = 0
         self.current: list[Group] = []  # groups in the step under way (failed together on error)
         self._failures: list[tuple[str, BaseException]] = []  # requests failed alone in this step
+        self.preparer: Preparer[Group] = Preparer()  # slow admissions, off the step loop
         self.graphs: Any = None  # DecodeGraphs on CUDA (graphs.py), else None
         self.lora: Any = None  # LoraManager (lora.py) when the server has an adapters directory
 
     # ---- requests --------------------------------------------------------------------------
     def add(self, request: GenerationRequest) -> Group:
+        """Queue ``request`` now, preparing it on the caller's thread (raises the request's error)."""
+        group = self._prepare(request)
+        self.scheduler.add(group)
+        return group
+
+    def submit(self, request: GenerationRequest | None, request_id: str,
+               build: Callable[[], GenerationRequest] | None = None) -> None:
+        """Queue a request, given or built by ``build`` (unpickled, say); what may take long (building
+        it, its plugin objects, loading its adapter) is done off the step loop, and the request is
+        admitted by a later ``run_step``. Raises the request's error when it is prepared here."""
+        if request is None or self._slow(request):
+            def job() -> Group:
+                return self._prepare(request if request is not None else build())  # type: ignore[misc]
+
+            self.preparer.submit(request_id, job)
+        else:
+            self.add(request)
+
+    def _slow(self, request: GenerationRequest) -> bool:
+        return bool(request.guided is not None or request.logits_processors
+                    or (request.adapter is not None and self.lora is not None
+                        and not self.lora.is_loaded(request.adapter)))
+
+    def _prepare(self, request: GenerationRequest) -> Group:
         self._check(request)
         group = Group.from_request(request)
         if request.adapter is not None:
             if self.lora is None:
-                raise ValueError("LoRA adapters are not enabled on this engine")
+                raise InvalidRequest("LoRA adapters are not enabled on this engine", param="peft")
             group.adapter = self.lora.get(request.adapter)
         p = request.sampling
         for seq in group.seqs:
@@ -80,8 +107,20 @@ class EngineCore:
             end = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
             group.beam = BeamState(group.num_slots, p.length_penalty, p.early_stopping,
                                    p.max_tokens, frozenset(end))
-        self.scheduler.add(group)
         return group
+
+    def _admit_prepared(self) -> None:
+        for rid, group, aborts in self.preparer.ready():
+            if isinstance(group, BaseException):
+                self._failures.append((rid, row_error("preparing the request", group)))
+                continue
+            try:
+                self.scheduler.add(group)
+            except Exception as exc:  # noqa: BLE001 - a duplicate id: this request's error
+                self._failures.append((rid, row_error("queueing the request", exc)))
+                continue
+            for index in aborts:
+                self.abort(rid, index)
 
     def _check(self, request: GenerationRequest) -> None:
         """Refuse (400) what would break a step: token ids outside the vocabulary, a prompt that
@@ -111,6 +150,8 @@ class EngineCore:
                 raise InvalidRequest(f"allowed_token_ids leaves no token to generate{why}", param="allowed_token_ids")
 
     def abort(self, request_id: str, index: int | None = None) -> list[Sequence]:
+        if self.preparer.abort(request_id, index):
+            return []
         seqs = self.scheduler.abort(request_id, index)
         for seq in seqs:
             if seq.group.beam is None:
@@ -133,13 +174,16 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        return EngineStats(running=s.num_running, waiting=s.num_waiting, slots_total=s.num_slots,
+        return EngineStats(running=s.num_running, waiting=s.num_waiting + len(self.preparer.pending),
+                           slots_total=s.num_slots,
                            slots_used=s.slots_used)
 
     def run_step(self) -> tuple[list[SequenceOutput], list[tuple[str, BaseException]]]:
         """What a worker calls in its loop: a step if there is work, else what is still to report,
         with the requests that failed (each with its error). A request whose own work raised fails
         alone; a step that raises as a whole fails its requests, and the engine goes on."""
+        if self.preparer.has_ready:
+            self._admit_prepared()
         if not self.has_work:
             return self.drain(), self._take_failures()
         try:

@@ -270,10 +270,8 @@ class TorchEngine:
             if self.adapters is None:
                 raise Unsupported("LoRA adapters are not enabled on this server; start it with --adapters-dir",
                                   param="peft")
-            if self.lora is not None:
-                self.lora.get(request.adapter)
-            else:  # the engine process loads the weights; its config is checked here
-                self.adapters.load_config(request.adapter)
+            if self.lora is None or not self.lora.is_loaded(request.adapter):
+                self.adapters.load_config(request.adapter)  # the engine loads the weights, off its step loop
         if self.stats().waiting >= self.config.max_waiting:
             raise Overloaded("too many requests are waiting; retry later")
         return self.runner.generate(request, max(1, request.n))

@@ -89,7 +89,8 @@ def encode_request(request: GenerationRequest, tokenizer: object) -> bytes:
     A request with no guided decoder and no logits processors holds only our own dataclasses: the C
     pickler takes it (8 against 23 µs warm, and none of cloudpickle's Python per object on this
     server's cold caches). The engine process unpickles both the same way."""
-    if request.guided is None and not request.logits_processors:
+    plain = request.guided is None and not request.logits_processors
+    if plain:
         blob = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
     else:
         buffer = io.BytesIO()
@@ -101,20 +102,36 @@ def encode_request(request: GenerationRequest, tokenizer: object) -> bytes:
                 "its objects must be picklable by cloudpickle, or start the server with --no-engine-process"
             ) from exc
         blob = buffer.getvalue()
-    # the id travels beside the pickle, so a request that fails to unpickle there still fails here
-    return ADD + msgspec.msgpack.encode((request.request_id, blob))
+    # the id travels beside the pickle, so a request that fails to unpickle there still fails here;
+    # ``plain`` says no plugin object rides on it, so it unpickles at once (others may compile a guide)
+    return ADD + msgspec.msgpack.encode((request.request_id, blob, plain))
+
+
+def split_request(payload: memoryview | bytes) -> tuple[str, bytes, bool]:
+    """(request id, the pickled request, whether it holds no plugin objects)."""
+    return msgspec.msgpack.decode(payload, type=tuple[str, bytes, bool])
+
+
+def rebuild_request(blob: bytes, tokenizer: object) -> GenerationRequest:
+    """Unpickle a request (its plugin objects rebuilt here, a guide compiled); raises ``EngineError``."""
+    try:
+        request = _RequestUnpickler(io.BytesIO(blob), tokenizer).load()
+    except errors.APIError:  # a guide that cannot compile here: the client's 400
+        raise
+    except Exception as exc:  # noqa: BLE001 - a plugin's object failed to rebuild here
+        raise errors.EngineError(f"the request could not be rebuilt in the engine process: {exc!r}") from exc
+    if not isinstance(request, GenerationRequest):
+        raise errors.EngineError(f"expected a GenerationRequest, got {type(request).__name__}")
+    return request
 
 
 def decode_request(payload: memoryview | bytes, tokenizer: object) -> tuple[str, GenerationRequest | Exception]:
     """(request id, the request or why it could not be unpickled)."""
-    request_id, blob = msgspec.msgpack.decode(payload, type=tuple[str, bytes])
+    request_id, blob, _ = split_request(payload)
     try:
-        request = _RequestUnpickler(io.BytesIO(blob), tokenizer).load()
-    except Exception as exc:  # noqa: BLE001 - a plugin's object failed to rebuild here
-        return request_id, errors.EngineError(f"the request could not be rebuilt in the engine process: {exc!r}")
-    if not isinstance(request, GenerationRequest):
-        return request_id, errors.EngineError(f"expected a GenerationRequest, got {type(request).__name__}")
-    return request_id, request
+        return request_id, rebuild_request(blob, tokenizer)
+    except errors.APIError as exc:
+        return request_id, exc
 
 
 def encode_plain(kind: bytes, value: Any) -> bytes:

@@ -145,6 +145,7 @@ class Runner(RequestStreams):
         self._loops: dict[str, asyncio.AbstractEventLoop] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        core.preparer.notify = self._wake.set  # a request prepared off the loop is ready
 
     # ---- event-loop side -------------------------------------------------------------------
     def start(self) -> None:
@@ -202,7 +203,7 @@ class Runner(RequestStreams):
                 request = a
                 assert isinstance(request, GenerationRequest)
                 try:
-                    self.core.add(request)
+                    self.core.submit(request, request.request_id)
                 except Exception as exc:
                     errors.append((request.request_id, exc))
             else:

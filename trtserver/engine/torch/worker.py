@@ -9,10 +9,12 @@ the server asks, when the socket closes, or when the server process dies.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
+import socket
 import sys
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
 
 from trtserver.config import ServerConfig
@@ -55,20 +57,27 @@ def main(argv: list[str]) -> int:
 
 
 def serve(core: EngineCore, tokenizer: object, conn: Connection) -> None:
+    """Requests with plugin objects are unpickled off this loop (``core.submit``): that is where a
+    guide is compiled again. A prepared request wakes the loop through ``woken``."""
+    woken, poke = socket.socketpair()
+    woken.setblocking(False)
+    poke.setblocking(False)
+    core.preparer.notify = functools.partial(_poke, poke)
     while True:
         failed: list[tuple[str, BaseException]] = []
         if not core.has_work:
-            conn.poll(None)
+            wait([conn, woken])
+            _drain(woken)
         while conn.poll(0):
             payload = conn.recv_bytes()
             kind, body = payload[:1], memoryview(payload)[1:]
             if kind == ipc.ADD:
-                rid, request = ipc.decode_request(body, tokenizer)
-                if isinstance(request, Exception):
-                    failed.append((rid, request))
-                    continue
+                rid, blob, plain = ipc.split_request(body)
                 try:
-                    core.add(request)
+                    if plain:
+                        core.submit(ipc.rebuild_request(blob, tokenizer), rid)
+                    else:
+                        core.submit(None, rid, functools.partial(ipc.rebuild_request, blob, tokenizer))
                 except Exception as exc:  # noqa: BLE001 - the request fails, the engine goes on
                     failed.append((rid, exc))
             elif kind == ipc.ABORT:
@@ -80,6 +89,21 @@ def serve(core: EngineCore, tokenizer: object, conn: Connection) -> None:
         failed += step_failed
         if outputs or failed:
             conn.send_bytes(ipc.encode_step(outputs, failed, core.stats()))
+
+
+def _poke(sock: socket.socket) -> None:
+    try:
+        sock.send(b"\0")
+    except BlockingIOError:  # already poked: the loop has not woken yet
+        pass
+
+
+def _drain(sock: socket.socket) -> None:
+    try:
+        while sock.recv(4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def _die_with_parent() -> None:
