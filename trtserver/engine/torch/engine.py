@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +25,6 @@ from trtserver.adapters import AdapterRegistry
 from trtserver.config import ServerConfig
 from trtserver.engine.base import (
     Capabilities,
-    DeltaSink,
     EngineInfo,
     EngineStats,
     GenerationRequest,
@@ -279,9 +278,6 @@ class TorchEngine:
     def abort(self, request_id: str, index: int | None = None) -> None:
         if self.runner is not None:
             self.runner.abort(request_id, index)
-
-    def push_to(self, request_id: str, sink: DeltaSink) -> Callable[[], None] | None:
-        return self.runner.push_to(request_id, sink) if self.runner is not None else None
 
     @property
     def threads_bound(self) -> bool:
