@@ -177,7 +177,7 @@ def test_a_guide_crosses_to_the_engine_process_as_its_recipe(backend: str, conte
     request = GenerationRequest("guided", [1], SamplingParams(), guided=decoder)
     message = ipc.encode_request(request, context.tokenizer)
     assert len(message) < 4096
-    _, rebuilt = ipc.decode_request(memoryview(message)[1:], context.tokenizer)
+    _, rebuilt = ipc.decode_request(memoryview(message), context.tokenizer)
     assert isinstance(rebuilt, GenerationRequest) and rebuilt.guided is decoder
 
 

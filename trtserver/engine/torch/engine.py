@@ -31,6 +31,7 @@ from trtserver.engine.base import (
     SequenceOutput,
 )
 from trtserver.errors import ContextLengthExceeded, EngineError, InvalidRequest, Overloaded, Unsupported
+from trtserver.manifest import Manifest, load_manifest
 from trtserver.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -59,16 +60,14 @@ class TorchEngine:
         if not (self.path / "config.json").exists():
             raise FileNotFoundError(f"{self.path}: no config.json; build the engine directory with `make engines`")
         self.model_config: dict[str, Any] = json.loads((self.path / "config.json").read_text())
-        self.manifest = _read_manifest(self.path)
+        self.manifest: Manifest = load_manifest(self.path)
         self._tokenizer = Tokenizer.from_dir(self.path)
         self._quantize_asked = quantize
         self.device: torch.device | None = None  # these three are settled by _resolve()
         self.dtype: torch.dtype | None = None
         self.quantize: str | None = None
         self.dtype_name: str | None = None  # the dtype's name, in the server process too
-        context = (config.max_model_len or self.manifest.get("context_length")
-                   or self.model_config.get("max_position_embeddings") or 2048)
-        self.max_model_len = int(context)
+        self.max_model_len = config.max_model_len or self.manifest.context_length
         self.seed = seed
         self.core: Any = None
         self.runner: Any = None
@@ -77,14 +76,14 @@ class TorchEngine:
         if config.adapters_dir is not None:
             self.adapters = AdapterRegistry(config.adapters_dir, max_rank=config.max_lora_rank)
         self._info = EngineInfo(
-            model_name=config.served_model_name or self.manifest.get("served_model_name") or self.path.name,
+            model_name=config.served_model_name or self.manifest.served_model_name,
             context_length=self.max_model_len,
             vocab_size=int(self.model_config["vocab_size"]),
             eos_token_ids=self._tokenizer.eos_token_ids,
             capabilities=Capabilities(max_logprobs=max(20, config.max_logprobs),
                                       adapters=config.adapters_dir is not None),
-            fingerprint_inputs={**{k: self.manifest[k] for k in ("served_model_name", "weights_sha256", "dtype",
-                                                                 "format", "format_version") if k in self.manifest},
+            fingerprint_inputs={**{k: getattr(self.manifest, k) for k in ("served_model_name", "weights_sha256",
+                                                                          "dtype", "format", "format_version")},
                                 "quantization": quantize, "batch_invariant": config.batch_invariant},
             backend="torch",
         )
@@ -121,7 +120,7 @@ class TorchEngine:
         import torch
 
         assert self.device is not None
-        source = (self.manifest.get("source") or {}).get("quantization") or ""
+        source = self.manifest.source.quantization or ""
         bf16 = self.dtype == torch.bfloat16 or (self.dtype is None and _cpu_has_bf16())
         four_bit = source.upper().startswith("Q4")
         return "int4" if self.device.type == "cpu" and bf16 and four_bit and not self.config.batch_invariant \
@@ -180,8 +179,9 @@ class TorchEngine:
             runner = EngineProcess(self.config, seed=self.seed, quantize=self._quantize_asked,
                                    tokenizer=self._tokenizer)
             await runner.start()
-            self.dtype_name = runner.report["dtype"]
-            self.quantize = runner.report["quantization"]
+            assert runner.report is not None
+            self.dtype_name = runner.report.dtype
+            self.quantize = runner.report.quantization
             self._settled(self.quantize)
             self.runner = runner
             return
@@ -284,7 +284,8 @@ class TorchEngine:
         """The engine process runs on the CPU with its threads bound one per CPU (``--pin-threads``);
         ``trtserver serve`` then pins its event loop."""
         runner = self.runner
-        return bool(getattr(runner, "threads_bound", False) and runner.report.get("device") == "cpu")
+        report = getattr(runner, "report", None)
+        return bool(getattr(runner, "threads_bound", False) and report is not None and report.device == "cpu")
 
     @property
     def failure(self) -> str | None:
@@ -361,10 +362,3 @@ def _cpu_has_bf16() -> bool:
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
-
-def _read_manifest(path: Path) -> dict[str, Any]:
-    file = path / "trtserver.json"
-    if not file.exists():
-        return {}
-    data = json.loads(file.read_text())
-    return data if isinstance(data, dict) else {}

@@ -1,11 +1,12 @@
 """The wire between the server and its engine process (``process.py`` and ``worker.py``).
 
-Frames are ``multiprocessing.connection``'s: a 4-byte big-endian length, then the payload, whose
-first byte says what it is. What crosses per step (deltas, stats) is msgpack through msgspec,
-encoded and decoded in C; a request crosses once, pickled with cloudpickle, because plugins'
-per-step objects (guided decoders, logits-processor factories) ride on it. The served model's
-tokenizer, which such objects often hold, is never copied: it crosses as a reference to the
-engine process's own tokenizer.
+Frames are ``multiprocessing.connection``'s: a 4-byte big-endian length, then one message, a
+msgspec Struct in msgpack with its tag: the server sends ``Start`` then ``Add`` / ``Abort`` /
+``Stop``; the engine answers ``Ready`` or ``Failed``, then one ``Step`` per step (deltas, errors,
+stats), encoded and decoded in C. A request crosses once inside ``Add``, pickled with cloudpickle,
+because plugins' per-step objects (guided decoders, logits-processor factories) ride on it. The
+served model's tokenizer, which such objects often hold, is never copied: it crosses as a
+reference to the engine process's own tokenizer.
 """
 
 from __future__ import annotations
@@ -13,45 +14,100 @@ from __future__ import annotations
 import io
 import pickle
 import struct
-from typing import Any
 
 import cloudpickle
 import msgspec
 
 from trtserver import errors
+from trtserver.config import ServerConfig
 from trtserver.engine.base import EngineStats, GenerationRequest, SequenceOutput
-
-# server -> engine
-CONFIG, ADD, ABORT, STOP = b"C", b"A", b"X", b"S"
-# engine -> server
-READY, FAILED, STEP = b"R", b"F", b"O"
 
 HEADER = struct.Struct("!i")
 _TOKENIZER = "tokenizer"
 
-# (request id, exception class name, message, param): errors cross by name, not by pickle
-ErrorRecord = tuple[str, str, str, str | None]
-StepMessage = tuple[list[SequenceOutput], list[ErrorRecord], EngineStats]
 
-_step_encoder = msgspec.msgpack.Encoder()
-_step_decoder = msgspec.msgpack.Decoder(StepMessage)
+# ---- server -> engine ------------------------------------------------------------------------------
+class Start(msgspec.Struct, tag="start", array_like=True):
+    config: ServerConfig
+    seed: int | None
+    quantize: str
 
 
-def frame(kind: bytes, payload: bytes = b"") -> bytes:
-    return HEADER.pack(len(payload) + 1) + kind + payload
+class Add(msgspec.Struct, tag="add", array_like=True):
+    request_id: str  # beside the pickle, so a request that fails to unpickle there still fails here
+    blob: bytes
+    plain: bool  # no plugin object rides on it: it unpickles at once (others may compile a guide)
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    request_id: str
+    index: int | None = None
+
+
+class Stop(msgspec.Struct, tag="stop", array_like=True):
+    pass
+
+
+Command = Start | Add | Abort | Stop
+
+
+# ---- engine -> server ------------------------------------------------------------------------------
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    """What the engine process settled where the model loaded."""
+
+    dtype: str
+    quantization: str | None
+    device: str
+
+
+class Failed(msgspec.Struct, tag="failed", array_like=True):
+    reason: str
+
+
+class ErrorRecord(msgspec.Struct, array_like=True):
+    """A request's error: it crosses by class name, not by pickle."""
+
+    request_id: str
+    name: str
+    message: str
+    param: str | None
+
+
+class Step(msgspec.Struct, tag="step", array_like=True):
+    outputs: list[SequenceOutput]
+    errors: list[ErrorRecord]
+    stats: EngineStats
+
+
+Startup = Ready | Failed
+
+_encoder = msgspec.msgpack.Encoder()
+command_decoder = msgspec.msgpack.Decoder(Command)
+startup_decoder = msgspec.msgpack.Decoder(Startup)
+_step_decoder = msgspec.msgpack.Decoder(Step)
+
+
+def encode(message: Command | Startup | Step) -> bytes:
+    return _encoder.encode(message)
+
+
+def frame(message: Command | Startup | Step) -> bytes:
+    """``message`` with its length header, as ``Connection.send_bytes`` writes it."""
+    payload = _encoder.encode(message)
+    return HEADER.pack(len(payload)) + payload
 
 
 def encode_step(outputs: list[SequenceOutput], failed: list[tuple[str, BaseException]],
                 stats: EngineStats) -> bytes:
-    records = [(rid, type(exc).__name__, getattr(exc, "message", None) or str(exc), getattr(exc, "param", None))
-               for rid, exc in failed]
-    return STEP + _step_encoder.encode((outputs, records, stats))
+    records = [ErrorRecord(rid, type(exc).__name__, getattr(exc, "message", None) or str(exc),
+                           getattr(exc, "param", None)) for rid, exc in failed]
+    return _encoder.encode(Step(outputs, records, stats))
 
 
 def decode_step(payload: memoryview | bytes) -> tuple[list[SequenceOutput], list[tuple[str, BaseException]],
                                                         EngineStats]:
-    outputs, records, stats = _step_decoder.decode(payload)
-    return outputs, [(rid, rebuild_error(name, message, param)) for rid, name, message, param in records], stats
+    step = _step_decoder.decode(payload)
+    return step.outputs, [(r.request_id, rebuild_error(r.name, r.message, r.param)) for r in step.errors], step.stats
 
 
 def rebuild_error(name: str, message: str, param: str | None) -> BaseException:
@@ -84,7 +140,8 @@ class _RequestUnpickler(pickle.Unpickler):
 
 
 def encode_request(request: GenerationRequest, tokenizer: object) -> bytes:
-    """Raises ``EngineError`` when a plugin's object cannot be pickled, before anything is queued.
+    """The ``Add`` frame's message; raises ``EngineError`` when a plugin's object cannot be pickled,
+    before anything is queued.
 
     A request with no guided decoder and no logits processors holds only our own dataclasses: the C
     pickler takes it (8 against 23 µs warm, and none of cloudpickle's Python per object on this
@@ -102,14 +159,7 @@ def encode_request(request: GenerationRequest, tokenizer: object) -> bytes:
                 "its objects must be picklable by cloudpickle, or start the server with --no-engine-process"
             ) from exc
         blob = buffer.getvalue()
-    # the id travels beside the pickle, so a request that fails to unpickle there still fails here;
-    # ``plain`` says no plugin object rides on it, so it unpickles at once (others may compile a guide)
-    return ADD + msgspec.msgpack.encode((request.request_id, blob, plain))
-
-
-def split_request(payload: memoryview | bytes) -> tuple[str, bytes, bool]:
-    """(request id, the pickled request, whether it holds no plugin objects)."""
-    return msgspec.msgpack.decode(payload, type=tuple[str, bytes, bool])
+    return _encoder.encode(Add(request.request_id, blob, plain))
 
 
 def rebuild_request(blob: bytes, tokenizer: object) -> GenerationRequest:
@@ -126,17 +176,10 @@ def rebuild_request(blob: bytes, tokenizer: object) -> GenerationRequest:
 
 
 def decode_request(payload: memoryview | bytes, tokenizer: object) -> tuple[str, GenerationRequest | Exception]:
-    """(request id, the request or why it could not be unpickled)."""
-    request_id, blob, _ = split_request(payload)
+    """(request id, the request or why it could not be rebuilt) from an ``Add`` message."""
+    add = command_decoder.decode(payload)
+    assert isinstance(add, Add)
     try:
-        return request_id, rebuild_request(blob, tokenizer)
+        return add.request_id, rebuild_request(add.blob, tokenizer)
     except errors.APIError as exc:
-        return request_id, exc
-
-
-def encode_plain(kind: bytes, value: Any) -> bytes:
-    return kind + msgspec.msgpack.encode(value)
-
-
-def decode_plain(payload: memoryview | bytes) -> Any:
-    return msgspec.msgpack.decode(payload)
+        return add.request_id, exc

@@ -20,9 +20,6 @@ import socket
 import subprocess
 import sys
 from collections.abc import Mapping
-from typing import Any
-
-import msgspec
 
 from trtserver.config import ServerConfig
 from trtserver.engine.base import EngineStats, GenerationRequest
@@ -34,7 +31,7 @@ from trtserver.errors import EngineError
 class EngineProcess(RequestStreams):
     def __init__(self, config: ServerConfig, *, seed: int | None, quantize: str | None, tokenizer: object) -> None:
         super().__init__()
-        self._start_args = (msgspec.to_builtins(config), seed, quantize or "none")
+        self._start = ipc.Start(config, seed, quantize or "none")
         # the engine's threads bound one per CPU (pinned_env); `trtserver serve` then pins its event loop
         self.threads_bound = (config.pin_threads and config.device in ("auto", "cpu")
                               and hasattr(os, "sched_setaffinity"))
@@ -42,7 +39,7 @@ class EngineProcess(RequestStreams):
         self._process: subprocess.Popen[bytes] | None = None
         self._transport: asyncio.Transport | None = None
         self.stats = EngineStats(slots_total=config.max_batch_size)
-        self.report: dict[str, Any] = {}  # what the engine process settled: device, dtype, quantization
+        self.report: ipc.Ready | None = None  # what the engine process settled: device, dtype, quantization
         self.failure: str | None = None  # set when the engine process died under the server
         self._stopping = False
 
@@ -60,20 +57,20 @@ class EngineProcess(RequestStreams):
         finally:
             theirs.close()
         loop = asyncio.get_running_loop()
-        ready: asyncio.Future[tuple[bytes, Any]] = loop.create_future()
+        ready: asyncio.Future[ipc.Ready | ipc.Failed] = loop.create_future()
         self._transport, _ = await loop.create_unix_connection(
             lambda: _Frames(self, ready), sock=ours)
-        self._transport.write(ipc.frame(ipc.CONFIG, msgspec.msgpack.encode(self._start_args)))
-        kind, payload = await ready
-        if kind != ipc.READY:
+        self._transport.write(ipc.frame(self._start))
+        answer = await ready
+        if isinstance(answer, ipc.Failed):
             await self._reap()
-            raise EngineError(f"the engine process failed to start: {payload}")
-        self.report = payload
+            raise EngineError(f"the engine process failed to start: {answer.reason}")
+        self.report = answer
 
     async def stop(self) -> None:
         self._stopping = True
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(ipc.frame(ipc.STOP))
+            self._transport.write(ipc.frame(ipc.Stop()))
         await self._reap()
         self._fail_all(EngineError("the engine shut down"))
 
@@ -102,7 +99,7 @@ class EngineProcess(RequestStreams):
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(ipc.frame(ipc.ABORT, msgspec.msgpack.encode((request_id, index))))
+            self._transport.write(ipc.frame(ipc.Abort(request_id, index)))
 
     # ---- from the protocol -------------------------------------------------------------------
     def _on_step(self, payload: memoryview) -> None:
@@ -139,7 +136,7 @@ def pinned_env(environ: Mapping[str, str]) -> dict[str, str]:
 class _Frames(asyncio.Protocol):
     """Splits the engine's byte stream into frames."""
 
-    def __init__(self, owner: EngineProcess, ready: asyncio.Future[tuple[bytes, Any]]) -> None:
+    def __init__(self, owner: EngineProcess, ready: asyncio.Future[ipc.Ready | ipc.Failed]) -> None:
         self.owner = owner
         self.ready = ready
         self.pending = bytearray()
@@ -154,18 +151,18 @@ class _Frames(asyncio.Protocol):
             (size,) = ipc.HEADER.unpack_from(data, start)
             if len(data) - start - header < size:
                 break
-            self._frame(data[start + header:start + header + 1], view[start + header + 1:start + header + size])
+            self._frame(view[start + header:start + header + size])
             start += header + size
         if start < len(data):
             self.pending += view[start:]
 
-    def _frame(self, kind: bytes, body: memoryview) -> None:
-        if kind == ipc.STEP:
+    def _frame(self, body: memoryview) -> None:
+        if self.ready.done():  # once ready, the engine sends only steps
             self.owner._on_step(body)
-        elif not self.ready.done():
-            self.ready.set_result((kind, ipc.decode_plain(body)))
+        else:
+            self.ready.set_result(ipc.startup_decoder.decode(body))
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.ready.done():
-            self.ready.set_result((ipc.FAILED, f"it exited before it was ready ({exc or 'socket closed'})"))
+            self.ready.set_result(ipc.Failed(f"it exited before it was ready ({exc or 'socket closed'})"))
         self.owner._on_lost()

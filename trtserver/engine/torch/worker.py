@@ -17,7 +17,6 @@ import sys
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
 
-from trtserver.config import ServerConfig
 from trtserver.engine.torch import ipc
 
 if TYPE_CHECKING:
@@ -29,9 +28,11 @@ def main(argv: list[str]) -> int:
     _die_with_parent()
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None  # before OpenMP binds us
     conn = Connection(int(argv[0]))
-    kind_payload = conn.recv_bytes()
-    config_raw, seed, quantize = ipc.decode_plain(kind_payload[1:])
-    config = ServerConfig(**config_raw)
+    start = ipc.command_decoder.decode(conn.recv_bytes())
+    if not isinstance(start, ipc.Start):
+        conn.send_bytes(ipc.encode(ipc.Failed(f"expected the start message, got {type(start).__name__}")))
+        return 1
+    config, seed, quantize = start.config, start.seed, start.quantize
 
     from trtserver.logs import configure_logging
 
@@ -42,13 +43,13 @@ def main(argv: list[str]) -> int:
         engine = TorchEngine(config, seed=seed, quantize=quantize)
         engine.load()
     except BaseException as exc:  # noqa: BLE001 - reported to the server, which fails its start-up
-        conn.send_bytes(ipc.encode_plain(ipc.FAILED, f"{type(exc).__name__}: {exc}"))
+        conn.send_bytes(ipc.encode(ipc.Failed(f"{type(exc).__name__}: {exc}")))
         return 1
     assert engine.device is not None
     if engine.device.type != "cpu" and cpus is not None:  # bound for a CPU engine that turned out a GPU one
         os.sched_setaffinity(0, cpus)
-    conn.send_bytes(ipc.encode_plain(ipc.READY, {"dtype": engine.dtype_name, "quantization": engine.quantize,
-                                                 "device": engine.device.type}))
+    assert engine.dtype_name is not None
+    conn.send_bytes(ipc.encode(ipc.Ready(engine.dtype_name, engine.quantize, engine.device.type)))
     try:
         serve(engine.core, engine.tokenizer, conn)
     except (EOFError, OSError):  # the server went away
@@ -69,21 +70,19 @@ def serve(core: EngineCore, tokenizer: object, conn: Connection) -> None:
             wait([conn, woken])
             _drain(woken)
         while conn.poll(0):
-            payload = conn.recv_bytes()
-            kind, body = payload[:1], memoryview(payload)[1:]
-            if kind == ipc.ADD:
-                rid, blob, plain = ipc.split_request(body)
+            command = ipc.command_decoder.decode(conn.recv_bytes())
+            if isinstance(command, ipc.Add):
+                rid = command.request_id
                 try:
-                    if plain:
-                        core.submit(ipc.rebuild_request(blob, tokenizer), rid)
+                    if command.plain:
+                        core.submit(ipc.rebuild_request(command.blob, tokenizer), rid)
                     else:
-                        core.submit(None, rid, functools.partial(ipc.rebuild_request, blob, tokenizer))
+                        core.submit(None, rid, functools.partial(ipc.rebuild_request, command.blob, tokenizer))
                 except Exception as exc:  # noqa: BLE001 - the request fails, the engine goes on
                     failed.append((rid, exc))
-            elif kind == ipc.ABORT:
-                rid, index = ipc.decode_plain(body)
-                core.abort(rid, index)
-            elif kind == ipc.STOP:
+            elif isinstance(command, ipc.Abort):
+                core.abort(command.request_id, command.index)
+            elif isinstance(command, ipc.Stop):
                 return
         outputs, step_failed = core.run_step()
         failed += step_failed
