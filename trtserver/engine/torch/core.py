@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -27,6 +27,10 @@ from trtserver.engine.torch.sampler import Sampler, row_error
 from trtserver.engine.torch.scheduler import PrefillChunk, Scheduler
 from trtserver.engine.torch.sequence import Group, Sequence
 from trtserver.errors import EngineError, InvalidRequest
+
+if TYPE_CHECKING:
+    from trtserver.engine.torch.graphs import DecodeGraphs
+    from trtserver.engine.torch.lora import LoraManager
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +65,8 @@ class EngineCore:
         self.current: list[Group] = []  # groups in the step under way (failed together on error)
         self._failures: list[tuple[str, BaseException]] = []  # requests failed alone in this step
         self.preparer: Preparer[Group] = Preparer()  # slow admissions, off the step loop
-        self.graphs: Any = None  # DecodeGraphs on CUDA (graphs.py), else None
-        self.lora: Any = None  # LoraManager (lora.py) when the server has an adapters directory
+        self.graphs: DecodeGraphs | None = None  # on CUDA (graphs.py)
+        self.lora: LoraManager | None = None  # when the server has an adapters directory
 
     # ---- requests --------------------------------------------------------------------------
     def add(self, request: GenerationRequest) -> Group:
@@ -384,6 +388,7 @@ class EngineCore:
 
     def _beam_step(self, group: Group, logits: Tensor, first: bool) -> None:
         beam = group.beam
+        assert beam is not None
         seqs = group.seqs
         failed: dict[int, BaseException] = {}
         logits = self.sampler.process(logits, seqs, failed)

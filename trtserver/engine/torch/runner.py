@@ -17,11 +17,12 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-from trtserver.engine.base import GenerationRequest, SequenceOutput
+from trtserver.engine.base import EngineStats, GenerationRequest, SequenceOutput
 from trtserver.errors import EngineError
 
 if TYPE_CHECKING:  # the server's side of an engine process imports this module, and no torch
     from trtserver.engine.torch.core import EngineCore
+    from trtserver.engine.torch.ipc import Ready
 
 _Command = tuple[str, object, object]
 
@@ -55,6 +56,11 @@ class Mailbox:
 class RequestStreams:
     """The event-loop side of an engine worker (a thread here, a process in ``process.py``): one
     ``Mailbox`` per running request, fed by ``_dispatch`` with each step's deltas."""
+
+    threads_bound = False  # the worker's threads bound one per CPU (the engine process may be)
+    failure: str | None = None  # why the worker died under the server, if it did
+    report: Ready | None = None  # what a worker in another process settled (device, dtype, quantization)
+    stats: EngineStats  # the worker's latest numbers
 
     def __init__(self) -> None:
         self._boxes: dict[str, Mailbox] = {}
@@ -113,6 +119,10 @@ class Runner(RequestStreams):
         self._thread: threading.Thread | None = None
         self._stopping = False
         core.preparer.notify = self._wake.set  # a request prepared off the loop is ready
+
+    @property
+    def stats(self) -> EngineStats:  # type: ignore[override]  # read from the core, here in this process
+        return self.core.stats()
 
     # ---- event-loop side -------------------------------------------------------------------
     def start(self) -> None:

@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
     assert engine.device is not None
     if engine.device.type != "cpu" and cpus is not None:  # bound for a CPU engine that turned out a GPU one
         os.sched_setaffinity(0, cpus)
-    assert engine.dtype_name is not None
+    assert engine.dtype_name is not None and engine.core is not None
     conn.send_bytes(ipc.encode(ipc.Ready(engine.dtype_name, engine.quantize, engine.device.type)))
     try:
         serve(engine.core, engine.tokenizer, conn)
