@@ -58,7 +58,7 @@ class Floor:
     """The engine process with its step frames answered by one prebuilt event per token."""
 
     def __init__(self, engine: Any, client: asyncio.Transport) -> None:
-        from trtserver.engine.torch import ipc
+        from trtserver.engine.torch.transport import messages as ipc
 
         self.engine = engine
         self.times: list[float] = []

@@ -1,5 +1,5 @@
 """The PyTorch engine in a process of its own (``engine_process``), against the same engine in this
-process, and the wire between them (``ipc.py``)."""
+process, and the wire between them (``transport/messages.py``)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from tests.engine.test_torch_engine import PROMPTS, collect, greedy, wait_idle
 from tests.support import AllowedTokens, BanToken
 from trtserver.config import ServerConfig
 from trtserver.engine.base import EngineStats, GenerationRequest, Priority, SamplingParams, SequenceOutput
-from trtserver.engine.torch import ipc
 from trtserver.engine.torch.engine import TorchEngine
+from trtserver.engine.torch.transport import messages as ipc
 from trtserver.errors import EngineError, InvalidRequest, NotFound
 
 

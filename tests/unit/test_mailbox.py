@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from trtserver.engine.torch.runner import Mailbox
+from trtserver.engine.torch.transport.thread import Mailbox
 
 
 async def test_items_come_out_in_order_and_wake_the_reader() -> None:

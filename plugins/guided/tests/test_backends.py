@@ -12,7 +12,7 @@ import pluggy
 import pytest
 import torch
 from trtserver.engine.base import GenerationRequest, SamplingParams, TokenConstraint
-from trtserver.engine.torch import ipc
+from trtserver.engine.torch.transport import messages as ipc
 from trtserver.errors import InvalidRequest
 from trtserver.guided import GuideContext, GuideSpec
 from trtserver.tokenizer import Tokenizer

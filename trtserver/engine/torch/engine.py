@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 
     from trtserver.engine.torch.core import EngineCore
     from trtserver.engine.torch.lora import LoraManager
-    from trtserver.engine.torch.process import EngineProcess
-    from trtserver.engine.torch.runner import Runner
+    from trtserver.engine.torch.transport.process import EngineProcess
+    from trtserver.engine.torch.transport.thread import EngineThread
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class TorchEngine:
         self.max_model_len = config.max_model_len or self.manifest.context_length
         self.seed = seed
         self.core: EngineCore | None = None  # in this process only (not with engine_process)
-        self.runner: Runner | EngineProcess | None = None
+        self.runner: EngineThread | EngineProcess | None = None
         self.adapters: AdapterRegistry | None = None
         self.lora: LoraManager | None = None
         if config.adapters_dir is not None:
@@ -130,7 +130,7 @@ class TorchEngine:
         if self.runner is not None:
             return
         if self.config.engine_process:
-            from trtserver.engine.torch.process import EngineProcess
+            from trtserver.engine.torch.transport.process import EngineProcess
 
             runner = EngineProcess(self.config, seed=self.seed, quantize=self._quantize_asked,
                                    tokenizer=self._tokenizer)
@@ -143,10 +143,10 @@ class TorchEngine:
             return
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.load)
-        from trtserver.engine.torch.runner import Runner
+        from trtserver.engine.torch.transport.thread import EngineThread
 
         assert self.core is not None
-        in_process = Runner(self.core)
+        in_process = EngineThread(self.core)
         in_process.start()
         self.runner = in_process
 

@@ -1,4 +1,4 @@
-"""The engine process: ``python -m trtserver.engine.torch.worker FD``, started by ``process.py``.
+"""The engine process: ``python -m trtserver.engine.torch.transport.worker FD``, started by ``process.py``.
 
 It owns the model and runs ``EngineCore.run_step()`` in a plain loop on its main thread: take the
 server's commands (add, abort, stop) between steps, send each step's deltas as one frame. It
@@ -17,7 +17,7 @@ import sys
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
 
-from trtserver.engine.torch import ipc
+from trtserver.engine.torch.transport import messages
 
 if TYPE_CHECKING:
     from trtserver.engine.torch.core import EngineCore
@@ -28,9 +28,9 @@ def main(argv: list[str]) -> int:
     _die_with_parent()
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None  # before OpenMP binds us
     conn = Connection(int(argv[0]))
-    start = ipc.command_decoder.decode(conn.recv_bytes())
-    if not isinstance(start, ipc.Start):
-        conn.send_bytes(ipc.encode(ipc.Failed(f"expected the start message, got {type(start).__name__}")))
+    start = messages.command_decoder.decode(conn.recv_bytes())
+    if not isinstance(start, messages.Start):
+        conn.send_bytes(messages.encode(messages.Failed(f"expected the start message, got {type(start).__name__}")))
         return 1
     config, seed, quantize = start.config, start.seed, start.quantize
 
@@ -43,13 +43,13 @@ def main(argv: list[str]) -> int:
         engine = TorchEngine(config, seed=seed, quantize=quantize)
         engine.load()
     except BaseException as exc:  # noqa: BLE001 - reported to the server, which fails its start-up
-        conn.send_bytes(ipc.encode(ipc.Failed(f"{type(exc).__name__}: {exc}")))
+        conn.send_bytes(messages.encode(messages.Failed(f"{type(exc).__name__}: {exc}")))
         return 1
     assert engine.device is not None
     if engine.device.type != "cpu" and cpus is not None:  # bound for a CPU engine that turned out a GPU one
         os.sched_setaffinity(0, cpus)
     assert engine.dtype_name is not None and engine.core is not None
-    conn.send_bytes(ipc.encode(ipc.Ready(engine.dtype_name, engine.quantize, engine.device.type)))
+    conn.send_bytes(messages.encode(messages.Ready(engine.dtype_name, engine.quantize, engine.device.type)))
     try:
         serve(engine.core, engine.tokenizer, conn)
     except (EOFError, OSError):  # the server went away
@@ -70,24 +70,24 @@ def serve(core: EngineCore, tokenizer: object, conn: Connection) -> None:
             wait([conn, woken])
             _drain(woken)
         while conn.poll(0):
-            command = ipc.command_decoder.decode(conn.recv_bytes())
-            if isinstance(command, ipc.Add):
+            command = messages.command_decoder.decode(conn.recv_bytes())
+            if isinstance(command, messages.Add):
                 rid = command.request_id
                 try:
                     if command.plain:
-                        core.submit(ipc.rebuild_request(command.blob, tokenizer), rid)
+                        core.submit(messages.rebuild_request(command.blob, tokenizer), rid)
                     else:
-                        core.submit(None, rid, functools.partial(ipc.rebuild_request, command.blob, tokenizer))
+                        core.submit(None, rid, functools.partial(messages.rebuild_request, command.blob, tokenizer))
                 except Exception as exc:  # noqa: BLE001 - the request fails, the engine goes on
                     failed.append((rid, exc))
-            elif isinstance(command, ipc.Abort):
+            elif isinstance(command, messages.Abort):
                 core.abort(command.request_id, command.index)
-            elif isinstance(command, ipc.Stop):
+            elif isinstance(command, messages.Stop):
                 return
         outputs, step_failed = core.run_step()
         failed += step_failed
         if outputs or failed:
-            conn.send_bytes(ipc.encode_step(outputs, failed, core.stats()))
+            conn.send_bytes(messages.encode_step(outputs, failed, core.stats()))
 
 
 def _poke(sock: socket.socket) -> None:

@@ -22,7 +22,7 @@ from trtserver.errors import EngineError
 
 if TYPE_CHECKING:  # the server's side of an engine process imports this module, and no torch
     from trtserver.engine.torch.core import EngineCore
-    from trtserver.engine.torch.ipc import Ready
+    from trtserver.engine.torch.transport.messages import Ready
 
 _Command = tuple[str, object, object]
 
@@ -109,7 +109,9 @@ class RequestStreams:
                 box.put(exc)
 
 
-class Runner(RequestStreams):
+class EngineThread(RequestStreams):
+    """The model on one worker thread of this process (``--no-engine-process``)."""
+
     def __init__(self, core: EngineCore) -> None:
         super().__init__()
         self.core = core

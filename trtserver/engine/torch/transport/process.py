@@ -7,7 +7,7 @@ Every hand-over of that lock cost a context switch and stalled the other side, s
 cores, as vLLM's engine core does.
 
 ``EngineProcess`` is the server's side: it starts ``worker.py`` with one end of a socket pair,
-writes commands as frames (``ipc.py``) and reads each step's deltas as one frame through an
+writes commands as frames (``messages.py``) and reads each step's deltas as one frame through an
 asyncio protocol, with no thread of its own. If the engine process dies, every running request
 fails with a 500 and ``failure`` says why (``/health`` then answers 503).
 """
@@ -23,15 +23,15 @@ from collections.abc import Mapping
 
 from trtserver.config import ServerConfig
 from trtserver.engine.base import EngineStats, GenerationRequest
-from trtserver.engine.torch import ipc
-from trtserver.engine.torch.runner import Mailbox, RequestStreams
+from trtserver.engine.torch.transport import messages
+from trtserver.engine.torch.transport.thread import Mailbox, RequestStreams
 from trtserver.errors import EngineError
 
 
 class EngineProcess(RequestStreams):
     def __init__(self, config: ServerConfig, *, seed: int | None, quantize: str | None, tokenizer: object) -> None:
         super().__init__()
-        self._start = ipc.Start(config, seed, quantize or "none")
+        self._start = messages.Start(config, seed, quantize or "none")
         # the engine's threads bound one per CPU (pinned_env); `trtserver serve` then pins its event loop
         self.threads_bound = (config.pin_threads and config.device in ("auto", "cpu")
                               and hasattr(os, "sched_setaffinity"))
@@ -39,7 +39,7 @@ class EngineProcess(RequestStreams):
         self._process: subprocess.Popen[bytes] | None = None
         self._transport: asyncio.Transport | None = None
         self.stats = EngineStats(slots_total=config.max_batch_size)
-        self.report: ipc.Ready | None = None  # what the engine process settled: device, dtype, quantization
+        self.report: messages.Ready | None = None  # what the engine process settled: device, dtype, quantization
         self.failure: str | None = None  # set when the engine process died under the server
         self._stopping = False
 
@@ -51,18 +51,18 @@ class EngineProcess(RequestStreams):
         ours, theirs = socket.socketpair()
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "trtserver.engine.torch.worker", str(theirs.fileno())],
+                [sys.executable, "-m", "trtserver.engine.torch.transport.worker", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), close_fds=True,
                 env=pinned_env(os.environ) if self.threads_bound else None)
         finally:
             theirs.close()
         loop = asyncio.get_running_loop()
-        ready: asyncio.Future[ipc.Ready | ipc.Failed] = loop.create_future()
+        ready: asyncio.Future[messages.Ready | messages.Failed] = loop.create_future()
         self._transport, _ = await loop.create_unix_connection(
             lambda: _Frames(self, ready), sock=ours)
-        self._transport.write(ipc.frame(self._start))
+        self._transport.write(messages.frame(self._start))
         answer = await ready
-        if isinstance(answer, ipc.Failed):
+        if isinstance(answer, messages.Failed):
             await self._reap()
             raise EngineError(f"the engine process failed to start: {answer.reason}")
         self.report = answer
@@ -70,7 +70,7 @@ class EngineProcess(RequestStreams):
     async def stop(self) -> None:
         self._stopping = True
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(ipc.frame(ipc.Stop()))
+            self._transport.write(messages.frame(messages.Stop()))
         await self._reap()
         self._fail_all(EngineError("the engine shut down"))
 
@@ -93,17 +93,17 @@ class EngineProcess(RequestStreams):
             raise EngineError(f"the engine process is not running: {self.failure}")
         if self._transport is None or self._transport.is_closing():
             raise EngineError("the engine is not running")
-        message = ipc.encode_request(request, self._tokenizer)  # raises before anything is registered
+        message = messages.encode_request(request, self._tokenizer)  # raises before anything is registered
         self._boxes[request.request_id] = box
-        self._transport.write(ipc.HEADER.pack(len(message)) + message)
+        self._transport.write(messages.HEADER.pack(len(message)) + message)
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(ipc.frame(ipc.Abort(request_id, index)))
+            self._transport.write(messages.frame(messages.Abort(request_id, index)))
 
     # ---- from the protocol -------------------------------------------------------------------
     def _on_step(self, payload: memoryview) -> None:
-        outputs, failed, self.stats = ipc.decode_step(payload)
+        outputs, failed, self.stats = messages.decode_step(payload)
         self._dispatch(outputs, failed)
 
     def _on_lost(self) -> None:
@@ -136,7 +136,7 @@ def pinned_env(environ: Mapping[str, str]) -> dict[str, str]:
 class _Frames(asyncio.Protocol):
     """Splits the engine's byte stream into frames."""
 
-    def __init__(self, owner: EngineProcess, ready: asyncio.Future[ipc.Ready | ipc.Failed]) -> None:
+    def __init__(self, owner: EngineProcess, ready: asyncio.Future[messages.Ready | messages.Failed]) -> None:
         self.owner = owner
         self.ready = ready
         self.pending = bytearray()
@@ -146,9 +146,9 @@ class _Frames(asyncio.Protocol):
             self.pending += data
             data = bytes(self.pending)
             self.pending.clear()
-        view, start, header = memoryview(data), 0, ipc.HEADER.size
+        view, start, header = memoryview(data), 0, messages.HEADER.size
         while len(data) - start >= header:
-            (size,) = ipc.HEADER.unpack_from(data, start)
+            (size,) = messages.HEADER.unpack_from(data, start)
             if len(data) - start - header < size:
                 break
             self._frame(view[start + header:start + header + size])
@@ -160,9 +160,9 @@ class _Frames(asyncio.Protocol):
         if self.ready.done():  # once ready, the engine sends only steps
             self.owner._on_step(body)
         else:
-            self.ready.set_result(ipc.startup_decoder.decode(body))
+            self.ready.set_result(messages.startup_decoder.decode(body))
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.ready.done():
-            self.ready.set_result(ipc.Failed(f"it exited before it was ready ({exc or 'socket closed'})"))
+            self.ready.set_result(messages.Failed(f"it exited before it was ready ({exc or 'socket closed'})"))
         self.owner._on_lost()
