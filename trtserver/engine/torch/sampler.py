@@ -111,10 +111,8 @@ class Sampler:
         masked: list[int] = []  # rows that something may have masked entirely
         for i, seq in enumerate(rows):
             p = seq.params
-            if seq.processors or p.allowed_token_ids is not None or seq.constraint is not None \
-                    or len(seq.output_ids) < p.min_tokens:
-                masked.append(i)
             if seq.processors:
+                masked.append(i)
                 try:
                     for proc in seq.processors:
                         proc(seq.output_ids, logits[i])
@@ -129,15 +127,18 @@ class Sampler:
                 bias = torch.tensor([b for _, b in p.logit_bias], device=logits.device, dtype=logits.dtype)
                 logits[i].index_add_(0, ids, bias)
             if p.allowed_token_ids is not None:
+                masked.append(i)
                 keep = logits[i, list(p.allowed_token_ids)].clone()
                 logits[i].fill_(NEG_INF)
                 logits[i, list(p.allowed_token_ids)] = keep
             if len(seq.output_ids) < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 if banned:
+                    masked.append(i)
                     logits[i, banned] = NEG_INF
         if any(seq.constraint is not None for seq in rows):
             self.apply_bitmask(logits, self.fill_bitmask(rows, failed))
+            masked += [i for i, seq in enumerate(rows) if seq.constraint is not None]
         if masked:
             self._find_dead_rows(logits, rows, masked, failed)
         if failed:
