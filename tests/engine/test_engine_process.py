@@ -1,5 +1,5 @@
 """The PyTorch engine in a process of its own (``engine_process``), against the same engine in this
-process, and the wire between them (``ipc.py``)."""
+process, and the wire between them (``transport/messages.py``)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from tests.engine.test_torch_engine import PROMPTS, collect, greedy, wait_idle
 from tests.support import AllowedTokens, BanToken
 from trtserver.config import ServerConfig
 from trtserver.engine.base import EngineStats, GenerationRequest, Priority, SamplingParams, SequenceOutput
-from trtserver.engine.torch import ipc
 from trtserver.engine.torch.engine import TorchEngine
-from trtserver.errors import EngineError, NotFound
+from trtserver.engine.torch.transport import messages as ipc
+from trtserver.errors import EngineError, InvalidRequest, NotFound
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -76,7 +76,7 @@ async def test_closing_the_stream_aborts_in_the_engine_process(proc_engine: Torc
 
 async def test_an_error_there_fails_only_its_request(proc_engine: TorchEngine) -> None:
     empty = GenerationRequest("empty-prompt", [], SamplingParams(max_tokens=3))
-    with pytest.raises(EngineError, match="ValueError: the prompt is empty"):
+    with pytest.raises(InvalidRequest, match="the prompt is empty"):
         [d async for d in proc_engine.generate(empty)]
     assert len(await greedy(proc_engine, "Still serving", max_tokens=3)) == 3
 
@@ -178,8 +178,8 @@ def test_step_messages_round_trip() -> None:
     failed: list[tuple[str, BaseException]] = [("r3", NotFound("no adapter 'x'", param="peft")),
                                                ("r4", ValueError("the prompt is empty"))]
     payload = ipc.encode_step(outputs, failed, EngineStats(running=2, waiting=1, slots_total=8, slots_used=3))
-    assert payload[:1] == ipc.STEP
-    got, errors, stats = ipc.decode_step(memoryview(payload)[1:])
+    assert isinstance(ipc.startup_decoder.decode(ipc.encode(ipc.Ready("float32", None, "cpu"))), ipc.Ready)
+    got, errors, stats = ipc.decode_step(memoryview(payload))
     assert got == outputs
     assert stats == EngineStats(running=2, waiting=1, slots_total=8, slots_used=3)
     (rid3, e3), (rid4, e4) = errors
@@ -194,7 +194,7 @@ def test_requests_carry_the_tokenizer_as_a_reference(engine: TorchEngine) -> Non
     message = ipc.encode_request(request, tokenizer)
     assert len(message) < 4096  # the tokenizer itself pickles to megabytes
     other = object()  # the engine process's own tokenizer
-    rid, rebuilt = ipc.decode_request(memoryview(message)[1:], other)
+    rid, rebuilt = ipc.decode_request(memoryview(message), other)
     assert rid == "ref" and isinstance(rebuilt, GenerationRequest)
     assert rebuilt.sampling == request.sampling and rebuilt.prompt_token_ids == [1, 2]
     processor = rebuilt.logits_processors[0]()
@@ -209,5 +209,19 @@ def test_requests_without_plugin_objects_take_the_c_pickler(monkeypatch: pytest.
     request = GenerationRequest("plain", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.5, seed=7,
                                                                    logit_bias=((4, 1.5),), stop_token_ids=(9,)),
                                 n=2, priority=Priority.HIGH, adapter="sql")
-    rid, rebuilt = ipc.decode_request(memoryview(ipc.encode_request(request, object()))[1:], object())
+    rid, rebuilt = ipc.decode_request(memoryview(ipc.encode_request(request, object())), object())
     assert rid == "plain" and rebuilt == request
+
+
+def test_commands_are_typed_messages(smol_dir: Path) -> None:
+    """Every command decodes into its own Struct; the start message carries a checked ServerConfig."""
+    import msgspec
+
+    config = ServerConfig(engine_dir=str(smol_dir), engine="torch", max_batch_size=3)
+    start = ipc.command_decoder.decode(ipc.encode(ipc.Start(config, 5, "none")))
+    assert isinstance(start, ipc.Start) and start.config == config and start.seed == 5
+    abort = ipc.command_decoder.decode(ipc.encode(ipc.Abort("r", 1)))
+    assert abort == ipc.Abort("r", 1) and isinstance(ipc.command_decoder.decode(ipc.encode(ipc.Stop())), ipc.Stop)
+    bad = ipc.encode(ipc.Start(config, 5, "none")).replace(b"max_batch_size", b"max_batch_sizX")
+    with pytest.raises(msgspec.ValidationError):
+        ipc.command_decoder.decode(bad)

@@ -47,7 +47,7 @@ async def test_engine_process_death_fails_the_stream_and_health(engine_dir: Path
     try:
         await wait_ready(server)
         (worker,) = children(server.process.pid)
-        assert "trtserver.engine.torch.worker" in Path(f"/proc/{worker}/cmdline").read_text()
+        assert "trtserver.engine.torch.transport.worker" in Path(f"/proc/{worker}/cmdline").read_text()
         assert "(event loop: uvloop)" in server.log()  # the default where uvloop is installed
         assert_pinned(server.process.pid, worker, pinned=True)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:

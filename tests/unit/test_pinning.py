@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trtserver.engine.torch.process import pinned_env
+from trtserver.engine.torch.transport.process import pinned_env
 
 
 def test_threads_bound_one_per_cpu_by_default() -> None:

@@ -145,3 +145,45 @@ def test_bitmask_rows_apply_in_one_op() -> None:
     assert torch.isfinite(out[2]).nonzero().flatten().tolist() == [64]
     seen = {tuple(sampler.sample(torch.zeros(3, vocab), rows).token_ids[::2]) for _ in range(50)}
     assert {t for t, _ in seen} <= {3, 33, 69} and {t for _, t in seen} == {64}
+
+
+def test_top_k_keeps_exactly_k_with_ties_broken_as_greedy(sampler: Sampler) -> None:
+    tie = [1.0, 5.0, 5.0, 0.0, 5.0, 0.0, 0.0, 0.0]  # tokens 1, 2 and 4 tie for the top
+    greedy = sampler.sample(logits(tie), [seq(temperature=0.0)]).token_ids[0]
+    assert greedy == 1  # argmax takes the lowest id
+    assert draws(sampler, tie, seq(top_k=1)) == {greedy}
+    assert draws(sampler, tie, seq(top_k=1, temperature=0.7)) == {greedy}
+    assert draws(sampler, tie, seq(top_k=2)) == {1, 2}
+    # a tie at the k-th place: the lower ids make up the k
+    assert draws(sampler, [9.0, 5.0, 0.0, 5.0, 5.0, 0.0, 0.0, 0.0], seq(top_k=3)) == {0, 1, 3}
+    # rows with and without top-k in one batch
+    rows = [seq(top_k=1), seq(), seq(top_k=2)]
+    seen: list[set[int]] = [set(), set(), set()]
+    for _ in range(100):
+        for i, t in enumerate(sampler.sample(logits(tie, flat(), tie), rows).token_ids):
+            seen[i].add(t)
+    assert seen[0] == {1} and seen[1] == set(range(V)) and seen[2] == {1, 2}
+
+
+def test_a_tiny_top_p_is_greedy_also_on_a_tie(sampler: Sampler) -> None:
+    tie = [0.0, 0.0, 3.0, 0.0, 0.0, 3.0, 3.0, 0.0]
+    greedy = sampler.sample(logits(tie), [seq(temperature=0.0)]).token_ids[0]
+    assert greedy == 2
+    assert draws(sampler, tie, seq(top_p=1e-6)) == {greedy}
+    assert draws(sampler, tie, seq(top_p=1e-6, temperature=2.0)) == {greedy}
+    assert draws(sampler, tie, seq(top_p=1e-6, top_k=5)) == {greedy}
+    # the nucleus grows along greedy's order: the tied tokens by id
+    assert draws(sampler, tie, seq(top_p=0.34)) == {2, 5}
+
+
+def test_a_row_with_no_allowed_token_fails_alone(sampler: Sampler) -> None:
+    from trtserver.errors import InvalidRequest
+
+    rows = [seq(allowed_token_ids=(EOS,), min_tokens=2), seq(temperature=0.0), seq()]
+    rows[2].constraint = AllowedTokens(())
+    out = sampler.sample(logits([1.0] * V, [0, 0, 9, 0, 0, 0, 0, 0], flat()), rows)
+    assert set(out.failed) == {0, 2} and out.token_ids[1] == 2
+    assert isinstance(out.failed[0], InvalidRequest) and out.failed[0].param == "allowed_token_ids"
+    assert isinstance(out.failed[2], InvalidRequest) and out.failed[2].param == "guided"
+    # once min_tokens is reached, EOS is allowed again
+    assert not sampler.sample(logits(flat()), [seq(output=[1, 1], allowed_token_ids=(EOS,), min_tokens=2)]).failed

@@ -132,3 +132,14 @@ def test_duplicate_request_id_is_refused() -> None:
     s.add(group("x"))
     with pytest.raises(ValueError, match="already"):
         s.add(group("x"))
+
+
+def test_a_sequence_aborted_while_waiting_leaves_the_prefill_to_the_others() -> None:
+    s = Scheduler(num_slots=4, chunk_size=64)
+    g = group("wide", n=3)
+    s.add(g)
+    assert [q.index for q in s.abort("wide", 0)] == [0]
+    assert run_prefill(s) == ["wide"]
+    assert g.prefill_slot >= 0 and g.prefill_slot in {q.slot for q in g.seqs[1:]}
+    assert g.seqs[0].slot == -1 and s.slots_used == 2
+    assert {q.index for q in s.running} == {1, 2}

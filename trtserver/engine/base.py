@@ -227,12 +227,6 @@ class EngineBase:
         return False
 
 
-class DeltaSink(Protocol):
-    def __call__(self, delta: SequenceOutput) -> bool:
-        """Take ``delta`` now (True), or decline it (False): it then goes to the pulled stream."""
-        ...
-
-
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     running: int = 0

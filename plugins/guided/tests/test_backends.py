@@ -14,7 +14,7 @@ import pytest
 import torch
 from packaging.version import Version
 from trtserver.engine.base import GenerationRequest, SamplingParams, TokenConstraint
-from trtserver.engine.torch import ipc
+from trtserver.engine.torch.transport import messages as ipc
 from trtserver.errors import InvalidRequest
 from trtserver.guided import GuideContext, GuideSpec
 from trtserver.tokenizer import Tokenizer
@@ -179,7 +179,7 @@ def test_a_guide_crosses_to_the_engine_process_as_its_recipe(backend: str, conte
     request = GenerationRequest("guided", [1], SamplingParams(), guided=decoder)
     message = ipc.encode_request(request, context.tokenizer)
     assert len(message) < 4096
-    _, rebuilt = ipc.decode_request(memoryview(message)[1:], context.tokenizer)
+    _, rebuilt = ipc.decode_request(memoryview(message), context.tokenizer)
     assert isinstance(rebuilt, GenerationRequest) and rebuilt.guided is decoder
 
 

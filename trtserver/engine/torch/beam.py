@@ -1,7 +1,12 @@
-"""Beam search over a request's ``n`` slots, with Hugging Face's scoring and stopping rules."""
+"""Beam search over a request's ``n`` slots, with Hugging Face's scoring and stopping rules.
+
+Scores (``sum_logprobs / length ** length_penalty``) are compared by their logarithm, so any
+length penalty orders hypotheses as the formula does without overflowing or dividing by zero.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -12,9 +17,31 @@ from trtserver.engine.base import FinishReason
 
 @dataclass(slots=True)
 class Hypothesis:
-    score: float  # sum_logprobs / generated_len ** length_penalty
+    score: float  # sum_logprobs / generated_len ** length_penalty (saturated to a float)
     token_ids: list[int]
     finish_reason: FinishReason
+    rank: float = 0.0  # orders hypotheses as ``score`` would with unbounded floats (``rank_key``)
+
+
+def rank_key(sum_logprobs: float, length: int, length_penalty: float) -> float:
+    """A number that orders ``sum_logprobs / length ** length_penalty`` (sum <= 0) the same way:
+    minus the logarithm of its magnitude."""
+    if sum_logprobs >= 0.0:
+        return math.inf
+    if math.isinf(sum_logprobs):
+        return -math.inf
+    scale = length_penalty * math.log(length) if length > 1 else 0.0
+    key = scale - math.log(-sum_logprobs)
+    return key if key == key else -math.inf  # a NaN (inf - inf) ranks last
+
+
+def saturated_score(sum_logprobs: float, key: float) -> float:
+    """The score itself, as a float: -inf past the largest float, -0.0 below the smallest."""
+    if sum_logprobs >= 0.0:
+        return 0.0
+    if key < -709.0:
+        return -math.inf
+    return -math.exp(-key)
 
 
 @dataclass(slots=True)
@@ -28,14 +55,14 @@ class BeamState:
     hyps: list[Hypothesis] = field(default_factory=list)
     done: bool = False
 
-    def score(self, sum_logprobs: float, length: int) -> float:
-        return sum_logprobs / (max(length, 1) ** self.length_penalty)
+    def rank(self, sum_logprobs: float, length: int) -> float:
+        return rank_key(sum_logprobs, max(length, 1), self.length_penalty)
 
     def add(self, token_ids: list[int], sum_logprobs: float, reason: FinishReason) -> None:
-        score = self.score(sum_logprobs, len(token_ids))
-        if len(self.hyps) < self.width or score > self.hyps[-1].score:
-            self.hyps.append(Hypothesis(score, token_ids, reason))
-            self.hyps.sort(key=lambda h: -h.score)
+        rank = self.rank(sum_logprobs, len(token_ids))
+        if len(self.hyps) < self.width or rank > self.hyps[-1].rank:
+            self.hyps.append(Hypothesis(saturated_score(sum_logprobs, rank), token_ids, reason, rank))
+            self.hyps.sort(key=lambda h: -h.rank)
             del self.hyps[self.width:]
 
     def is_done(self, best_sum: float, cur_len: int) -> bool:
@@ -45,10 +72,10 @@ class BeamState:
         if self.early_stopping is True:
             return True
         if self.early_stopping == "never" and self.length_penalty > 0:
-            best_possible = best_sum / (self.max_tokens ** self.length_penalty)
+            best_possible = self.rank(best_sum, self.max_tokens)
         else:
-            best_possible = best_sum / (cur_len ** self.length_penalty)
-        return self.hyps[-1].score >= best_possible
+            best_possible = self.rank(best_sum, cur_len)
+        return self.hyps[-1].rank >= best_possible
 
     def step(self, outputs: list[list[int]], logprobs: Tensor, first: bool,
              at_limit: bool) -> list[tuple[int, int]]:
@@ -56,7 +83,7 @@ class BeamState:
 
         ``outputs`` are the running beams' tokens, ``logprobs`` their next-token log-probabilities
         ``(W, V)``. Returns ``(parent, token)`` for each new running beam, in order (empty when
-        the search is done).
+        the search is done, also when every candidate ended).
         """
         width, vocab = self.width, logprobs.shape[1]
         sums = torch.tensor(self.sums, dtype=logprobs.dtype, device=logprobs.device)
@@ -80,7 +107,7 @@ class BeamState:
                 self.add(outputs[parent] + [token], value, "length")
             self.done = True
             return []
-        if self.is_done(max(new_sums), cur_len):
+        if not beams or self.is_done(max(new_sums), cur_len):
             self.done = True
             return []
         self.sums = new_sums

@@ -2,13 +2,18 @@
 
 ``EngineCore.step()`` is nano-vllm's three-call loop (schedule → run → postprocess); it runs on
 the runner's worker thread only, and never touches asyncio.
+
+A request whose own work fails in a step (its logits processor or guide raises, its beam search
+breaks) is failed alone (``_fail``): the other requests of the step keep their tokens. Only a
+failure of the batch itself (the model's forward) fails every request of the step.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -17,10 +22,15 @@ from trtserver.engine.base import EngineStats, FinishReason, GenerationRequest, 
 from trtserver.engine.torch.beam import BeamState
 from trtserver.engine.torch.cache import KVCache
 from trtserver.engine.torch.model import SMALL_BATCH, ForwardContext, Transformer
-from trtserver.engine.torch.sampler import Sampler
+from trtserver.engine.torch.prepare import Preparer
+from trtserver.engine.torch.sampler import Sampler, row_error
 from trtserver.engine.torch.scheduler import PrefillChunk, Scheduler
 from trtserver.engine.torch.sequence import Group, Sequence
-from trtserver.errors import EngineError
+from trtserver.errors import EngineError, InvalidRequest
+
+if TYPE_CHECKING:
+    from trtserver.engine.torch.graphs import DecodeGraphs
+    from trtserver.engine.torch.lora import LoraManager
 
 log = logging.getLogger(__name__)
 
@@ -53,20 +63,42 @@ class EngineCore:
         self.num_prefill_forwards = 0  # observability (and the tests' spy)
         self.num_decode_forwards = 0
         self.current: list[Group] = []  # groups in the step under way (failed together on error)
-        self.graphs: Any = None  # DecodeGraphs on CUDA (graphs.py), else None
-        self.lora: Any = None  # LoraManager (lora.py) when the server has an adapters directory
+        self._failures: list[tuple[str, BaseException]] = []  # requests failed alone in this step
+        self.preparer: Preparer[Group] = Preparer()  # slow admissions, off the step loop
+        self.graphs: DecodeGraphs | None = None  # on CUDA (graphs.py)
+        self.lora: LoraManager | None = None  # when the server has an adapters directory
 
     # ---- requests --------------------------------------------------------------------------
     def add(self, request: GenerationRequest) -> Group:
-        if len(request.prompt_token_ids) == 0:
-            raise ValueError("the prompt is empty")
-        if len(request.prompt_token_ids) > self.max_len:
-            raise ValueError(f"the prompt has {len(request.prompt_token_ids)} tokens; "
-                             f"the engine's context is {self.max_len}")
+        """Queue ``request`` now, preparing it on the caller's thread (raises the request's error)."""
+        group = self._prepare(request)
+        self.scheduler.add(group)
+        return group
+
+    def submit(self, request: GenerationRequest | None, request_id: str,
+               build: Callable[[], GenerationRequest] | None = None) -> None:
+        """Queue a request, given or built by ``build`` (unpickled, say); what may take long (building
+        it, its plugin objects, loading its adapter) is done off the step loop, and the request is
+        admitted by a later ``run_step``. Raises the request's error when it is prepared here."""
+        if request is None or self._slow(request):
+            def job() -> Group:
+                return self._prepare(request if request is not None else build())  # type: ignore[misc]
+
+            self.preparer.submit(request_id, job)
+        else:
+            self.add(request)
+
+    def _slow(self, request: GenerationRequest) -> bool:
+        return bool(request.guided is not None or request.logits_processors
+                    or (request.adapter is not None and self.lora is not None
+                        and not self.lora.is_loaded(request.adapter)))
+
+    def _prepare(self, request: GenerationRequest) -> Group:
+        self._check(request)
         group = Group.from_request(request)
         if request.adapter is not None:
             if self.lora is None:
-                raise ValueError("LoRA adapters are not enabled on this engine")
+                raise InvalidRequest("LoRA adapters are not enabled on this engine", param="peft")
             group.adapter = self.lora.get(request.adapter)
         p = request.sampling
         for seq in group.seqs:
@@ -79,10 +111,51 @@ class EngineCore:
             end = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
             group.beam = BeamState(group.num_slots, p.length_penalty, p.early_stopping,
                                    p.max_tokens, frozenset(end))
-        self.scheduler.add(group)
         return group
 
+    def _admit_prepared(self) -> None:
+        for rid, group, aborts in self.preparer.ready():
+            if isinstance(group, BaseException):
+                self._failures.append((rid, row_error("preparing the request", group)))
+                continue
+            try:
+                self.scheduler.add(group)
+            except Exception as exc:  # noqa: BLE001 - a duplicate id: this request's error
+                self._failures.append((rid, row_error("queueing the request", exc)))
+                continue
+            for index in aborts:
+                self.abort(rid, index)
+
+    def _check(self, request: GenerationRequest) -> None:
+        """Refuse (400) what would break a step: token ids outside the vocabulary, a prompt that
+        does not fit, more sequences than slots."""
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if len(prompt) > self.max_len:
+            raise InvalidRequest(f"the prompt has {len(prompt)} tokens; the engine's context is {self.max_len}",
+                                 param="prompt")
+        if max(1, request.n) > self.scheduler.num_slots:
+            raise InvalidRequest(f"n={request.n} needs more than the engine's {self.scheduler.num_slots} sequence "
+                                 "slots", param="n")
+        vocab = self.sampler.vocab_size
+        p = request.sampling
+        for param, ids in (("prompt", prompt), ("stop_token_ids", p.stop_token_ids),
+                           ("allowed_token_ids", p.allowed_token_ids or ()),
+                           ("logit_bias", [t for t, _ in p.logit_bias])):
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
+                bad = next(t for t in ids if not 0 <= t < vocab)
+                raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param=param)
+        if p.allowed_token_ids is not None:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids) if p.min_tokens else set()
+            if not set(p.allowed_token_ids) - banned:
+                why = (" with min_tokens, which rules out EOS and the stop tokens until it is reached"
+                       if p.allowed_token_ids else "")
+                raise InvalidRequest(f"allowed_token_ids leaves no token to generate{why}", param="allowed_token_ids")
+
     def abort(self, request_id: str, index: int | None = None) -> list[Sequence]:
+        if self.preparer.abort(request_id, index):
+            return []
         seqs = self.scheduler.abort(request_id, index)
         for seq in seqs:
             if seq.group.beam is None:
@@ -105,21 +178,42 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        return EngineStats(running=s.num_running, waiting=s.num_waiting, slots_total=s.num_slots,
+        return EngineStats(running=s.num_running, waiting=s.num_waiting + len(self.preparer.pending),
+                           slots_total=s.num_slots,
                            slots_used=s.slots_used)
 
     def run_step(self) -> tuple[list[SequenceOutput], list[tuple[str, BaseException]]]:
-        """What a worker calls in its loop: a step if there is work, else what is still to report;
-        a step that raises fails its own requests (returned with the error) and the engine goes on."""
+        """What a worker calls in its loop: a step if there is work, else what is still to report,
+        with the requests that failed (each with its error). A request whose own work raised fails
+        alone; a step that raises as a whole fails its requests, and the engine goes on."""
+        if self.preparer.has_ready:
+            self._admit_prepared()
         if not self.has_work:
-            return self.drain(), []
+            return self.drain(), self._take_failures()
         try:
-            return self.step(), []
+            outputs = self.step()
         except Exception as exc:  # noqa: BLE001 - any failure of the model or sampler
             log.exception("engine step failed")
             failure = EngineError(f"engine step failed: {exc!r}")
-            failed: list[tuple[str, BaseException]] = [(rid, failure) for rid in self.fail()]
+            failed = self._take_failures()
+            alone = {rid for rid, _ in failed}
+            failed += [(rid, failure) for rid in self.fail() if rid not in alone]
             return self.drain(), failed
+        return outputs, self._take_failures()
+
+    def _fail(self, group: Group, exc: BaseException) -> None:
+        """End ``group`` now with ``exc`` (its stream raises it); the rest of the step goes on."""
+        if any(rid == group.request_id for rid, _ in self._failures):
+            return
+        log.warning("request %s failed in the engine: %r", group.request_id, exc)
+        self.scheduler.abort(group.request_id)
+        for seq in group.seqs:
+            self._dirty.pop(seq, None)
+        self._failures.append((group.request_id, exc))
+
+    def _take_failures(self) -> list[tuple[str, BaseException]]:
+        failures, self._failures = self._failures, []
+        return failures
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -158,7 +252,11 @@ class EngineCore:
         for b, c in enumerate(chunks):
             group, n = c.group, c.end - c.start
             if group.prompt_token_logprobs is not None:
-                self._prompt_logprobs(group, c, self.model.logits(hidden[b, :n]))
+                try:
+                    self._prompt_logprobs(group, c, self.model.logits(hidden[b, :n]))
+                except Exception as exc:  # noqa: BLE001 - this request's scoring, not the batch's
+                    self._fail(group, row_error("scoring the prompt", exc))
+                    continue
             self.scheduler.prefilled(c)
             if c.last:
                 finishing.append(group)
@@ -197,7 +295,7 @@ class EngineCore:
             self.cache.copy_slot(group.prefill_slot, [s.slot for s in live if s.slot != group.prefill_slot],
                                  group.prompt_len)
             if group.beam is not None:
-                self._beam_step(group, logits[g:g + 1].expand(len(live), -1).clone(), first=True)
+                self._guarded_beam_step(group, logits[g:g + 1].expand(len(live), -1).clone(), first=True)
                 continue
             rows += [g] * len(live)
             seqs += live
@@ -235,7 +333,7 @@ class EngineCore:
             if s.group.beam is not None:
                 beams.setdefault(s.group, []).append(i)
         for group, idx in beams.items():
-            self._beam_step(group, logits[idx], first=False)
+            self._guarded_beam_step(group, logits[idx], first=False)
 
     def _use_threads(self, rows: int) -> None:
         if self.threads is not None:
@@ -247,7 +345,13 @@ class EngineCore:
     # ---- after the model ---------------------------------------------------------------------
     def _sample(self, logits: Tensor, seqs: list[Sequence]) -> None:
         result = self.sampler.sample(logits, seqs)
+        failed = result.failed
+        if failed:
+            for i, exc in failed.items():
+                self._fail(seqs[i].group, exc)
         for i, (seq, token) in enumerate(zip(seqs, result.token_ids)):
+            if failed and seq.finished:  # its request failed in this step
+                continue
             seq.output_ids.append(token)
             seq.pending_ids.append(token)
             p = seq.params
@@ -258,8 +362,14 @@ class EngineCore:
                     seq.pending_top.append(result.top_logprobs[i] if result.top_logprobs else [])
             self._dirty[seq] = None
             if seq.constraint is not None:
-                seq.constraint.accept_token(token)
-                if seq.constraint.is_terminated():
+                try:
+                    seq.constraint.accept_token(token)
+                    terminated = seq.constraint.is_terminated()
+                except Exception as exc:  # noqa: BLE001 - a plugin's guide: its request fails alone
+                    self._fail(seq.group, row_error("the guided decoder", exc))
+                    failed = failed or {i: exc}
+                    continue
+                if terminated:
                     self._finish(seq, "stop")
                     continue
             if token in p.stop_token_ids:
@@ -270,10 +380,21 @@ class EngineCore:
             elif len(seq.output_ids) >= p.max_tokens or seq.total_len >= self.max_len:
                 self._finish(seq, "length")
 
+    def _guarded_beam_step(self, group: Group, logits: Tensor, first: bool) -> None:
+        try:
+            self._beam_step(group, logits, first)
+        except Exception as exc:  # noqa: BLE001 - this request's search, not the batch's
+            self._fail(group, row_error("beam search", exc))
+
     def _beam_step(self, group: Group, logits: Tensor, first: bool) -> None:
         beam = group.beam
+        assert beam is not None
         seqs = group.seqs
-        logprobs = torch.log_softmax(self.sampler.process(logits, seqs), dim=-1)  # (W, V)
+        failed: dict[int, BaseException] = {}
+        logits = self.sampler.process(logits, seqs, failed)
+        if failed:
+            raise next(iter(failed.values()))
+        logprobs = torch.log_softmax(logits, dim=-1)  # (W, V)
         at_limit = seqs[0].total_len + 1 >= self.max_len
         if first:
             beam.sums = [0.0] * beam.width

@@ -117,6 +117,9 @@ class LoraManager:
                 self._cache.popitem(last=False)
             return adapter
 
+    def is_loaded(self, name: str) -> bool:
+        return name in self._cache  # a dict lookup: safe without the lock
+
     def loaded(self) -> list[str]:
         with self._lock:
             return list(self._cache)

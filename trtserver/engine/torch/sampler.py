@@ -11,22 +11,30 @@ The order, per step, for a batch of rows (one per sequence):
 3. temperature, top-k, top-p, min-p, then one draw per row by inverse CDF from a single uniform
    number taken from the row's own ``torch.Generator`` (seeded rows: the sequence's generator,
    so the same seed gives the same tokens whatever else is in the batch). Rows with temperature
-   < 1e-5 take the argmax.
+   < 1e-5 take the argmax. Top-k keeps exactly k tokens and top-p grows the nucleus in greedy's
+   order, ties going to the lowest id as argmax breaks them: ``top_k=1`` or a tiny ``top_p`` is
+   greedy.
 
 The common case (no penalties, processors, biases or guides) has no per-row tensor work; the
 only host sync is reading the sampled ids (and the logprobs, when asked).
+
+A row whose own work raises (a plugin's processor or guide) is reported in ``SampleResult.failed``
+and the batch goes on without it: its row is left neutral, its token is not to be used.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from trtserver.errors import APIError, EngineError, InvalidRequest
+
 if TYPE_CHECKING:
+    from trtserver.engine.base import SamplingParams
     from trtserver.engine.torch.sequence import Sequence
 
 NEG_INF = float("-inf")
@@ -44,6 +52,33 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float] | None = None  # of each sampled token, when any row asked (or beams)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per row, up to that row's k
+    failed: dict[int, BaseException] = field(default_factory=dict)  # rows whose own work raised
+
+
+def no_token_allowed(seq: Sequence) -> InvalidRequest:
+    """The error of a sequence whose constraints, together, allow no next token."""
+    p = seq.params
+    if seq.constraint is not None:
+        return InvalidRequest("guided decoding allows no token after the text generated so far "
+                              f"({len(seq.output_ids)} tokens): the guide cannot be completed", param="guided")
+    rules: list[tuple[str | None, str]] = []
+    if p.allowed_token_ids is not None:
+        rules.append(("allowed_token_ids", "allowed_token_ids"))
+    if len(seq.output_ids) < p.min_tokens:
+        rules.append(("min_tokens", f"min_tokens (no EOS or stop token before token {p.min_tokens + 1})"))
+    if seq.processors:
+        rules.append((None, "the logits processors (bad words, ...)"))
+    return InvalidRequest(f"no token is allowed at generated token {len(seq.output_ids) + 1}: "
+                          f"{' and '.join(text for _, text in rules)} rule out every token",
+                          param=rules[0][0] if rules else None)
+
+
+def row_error(what: str, exc: BaseException) -> BaseException:
+    """The error a request's stream raises when its own object (``what``) failed: a client error
+    the object raised stays one; anything else is the engine's."""
+    if isinstance(exc, APIError):
+        return exc
+    return EngineError(f"{what} failed: {exc!r}")
 
 
 class Sampler:
@@ -67,13 +102,24 @@ class Sampler:
         return g
 
     # ---- step 1 ---------------------------------------------------------------------------
-    def process(self, logits: Tensor, rows: Seq[Sequence]) -> Tensor:
-        """Apply processors, penalties, biases and masks to ``logits`` (B, V) in place."""
+    def process(self, logits: Tensor, rows: Seq[Sequence], failed: dict[int, BaseException] | None = None) -> Tensor:
+        """Apply processors, penalties, biases and masks to ``logits`` (B, V) in place. A row whose
+        logits processor or guide raises, or whose masks leave no token allowed, goes into
+        ``failed`` (row -> error), its logits zeroed."""
+        if failed is None:
+            failed = {}
+        masked: list[int] = []  # rows that something may have masked entirely
         for i, seq in enumerate(rows):
             p = seq.params
             if seq.processors:
-                for proc in seq.processors:
-                    proc(seq.output_ids, logits[i])
+                masked.append(i)
+                try:
+                    for proc in seq.processors:
+                        proc(seq.output_ids, logits[i])
+                except Exception as exc:  # noqa: BLE001 - a plugin's object: its request fails, not the batch
+                    failed[i] = row_error("a logits processor", exc)
+                    logits[i] = 0.0
+                    continue
             if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
                 self._penalize(logits[i], seq)
             if p.logit_bias:
@@ -81,16 +127,32 @@ class Sampler:
                 bias = torch.tensor([b for _, b in p.logit_bias], device=logits.device, dtype=logits.dtype)
                 logits[i].index_add_(0, ids, bias)
             if p.allowed_token_ids is not None:
+                masked.append(i)
                 keep = logits[i, list(p.allowed_token_ids)].clone()
                 logits[i].fill_(NEG_INF)
                 logits[i, list(p.allowed_token_ids)] = keep
             if len(seq.output_ids) < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 if banned:
+                    masked.append(i)
                     logits[i, banned] = NEG_INF
         if any(seq.constraint is not None for seq in rows):
-            self.apply_bitmask(logits, self.fill_bitmask(rows))
+            self.apply_bitmask(logits, self.fill_bitmask(rows, failed))
+            masked += [i for i, seq in enumerate(rows) if seq.constraint is not None]
+        if masked:
+            self._find_dead_rows(logits, rows, masked, failed)
+        if failed:
+            logits[list(failed)] = 0.0
         return logits
+
+    def _find_dead_rows(self, logits: Tensor, rows: Seq[Sequence], masked: list[int],
+                        failed: dict[int, BaseException]) -> None:
+        """Rows where no token is allowed any more fail with the request's error: a token the
+        constraints forbid is never drawn."""
+        dead = torch.isneginf(logits[masked].amax(dim=-1)).tolist()
+        for i, is_dead in zip(masked, dead):
+            if is_dead and i not in failed:
+                failed[i] = no_token_allowed(rows[i])
 
     def _penalize(self, row: Tensor, seq: Sequence) -> None:
         p = seq.params
@@ -106,13 +168,21 @@ class Sampler:
         if p.presence_penalty:
             row.sub_((counts > 0).to(row.dtype) * p.presence_penalty)
 
-    def fill_bitmask(self, rows: Seq[Sequence]) -> Tensor:
-        """One ``(B, ceil(V / 32))`` int32 mask; unconstrained rows allow everything."""
+    def fill_bitmask(self, rows: Seq[Sequence], failed: dict[int, BaseException] | None = None) -> Tensor:
+        """One ``(B, ceil(V / 32))`` int32 mask; unconstrained rows (and rows whose guide raised,
+        reported in ``failed``) allow everything."""
         mask = torch.full((len(rows), self.bitmask_words), -1, dtype=torch.int32)
         for i, seq in enumerate(rows):
             if seq.constraint is not None:
                 mask[i] = 0
-                seq.constraint.fill_bitmask(mask, i)
+                try:
+                    seq.constraint.fill_bitmask(mask, i)
+                except Exception as exc:  # noqa: BLE001 - a plugin's guide: its request fails, not the batch
+                    mask[i] = -1
+                    if failed is not None:
+                        failed[i] = row_error("the guided decoder", exc)
+                    else:
+                        raise
         return mask
 
     def apply_bitmask(self, logits: Tensor, mask: Tensor) -> None:
@@ -125,7 +195,8 @@ class Sampler:
     # ---- steps 2 and 3 --------------------------------------------------------------------
     def sample(self, logits: Tensor, rows: Seq[Sequence], *, want_logprobs: bool = False) -> SampleResult:
         """Process ``logits`` (B, V) float32 in place and draw one token per row."""
-        self.process(logits, rows)
+        failed: dict[int, BaseException] = {}
+        self.process(logits, rows, failed)
         params = [seq.params for seq in rows]
         top_k = [p.logprobs or 0 for p in params]
         need_logprobs = want_logprobs or any(p.logprobs is not None for p in params)
@@ -137,7 +208,7 @@ class Sampler:
             ids = self._draw(logits, rows)
 
         token_ids: list[int] = ids.tolist()
-        result = SampleResult(token_ids)
+        result = SampleResult(token_ids, failed=failed)
         if logprobs is not None:
             result.logprobs = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
             k = max(top_k)
@@ -156,19 +227,15 @@ class Sampler:
         temps = on_device([1.0 if g else p.temperature for g, p in zip(greedy, params)], dev)
         scaled = logits / temps.unsqueeze(1)  # (B, V)
         if any(p.top_k > 0 for p in params):
-            vocab = scaled.shape[1]
-            ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
-            kth = scaled.topk(max(ks), dim=-1).values  # (B, kmax), descending
-            thresh = kth.gather(1, on_device(ks, dev).unsqueeze(1) - 1)  # (B, 1)
-            off = on_device([p.top_k <= 0 for p in params], dev).unsqueeze(1)
-            thresh = torch.where(off, NEG_INF, thresh)  # a boolean index would sync on CUDA
-            scaled.masked_fill_(scaled < thresh, NEG_INF)
+            scaled.masked_fill_(self._top_k_drop(logits, params), NEG_INF)
         if any(p.top_p < 1.0 for p in params):
             top_p = on_device([p.top_p for p in params], dev).unsqueeze(1)
-            sorted_logits, order = scaled.sort(dim=-1, descending=True)
-            probs = sorted_logits.softmax(dim=-1)
-            drop = (probs.cumsum(dim=-1) - probs) > top_p  # mass before this token already > top_p
-            scaled.scatter_(1, order, sorted_logits.masked_fill(drop, NEG_INF))
+            values = scaled.sort(dim=-1, descending=True).values
+            probs = values.softmax(dim=-1)
+            # the nucleus: as many tokens as it takes for the mass before the last to stay <= top_p
+            size = ((probs.cumsum(dim=-1) - probs) <= top_p).sum(dim=-1, keepdim=True)  # (B, 1), >= 1
+            size = torch.where(top_p >= 1.0, scaled.shape[1], size)
+            scaled.masked_fill_(keep_only(scaled, values, size), NEG_INF)
         probs = scaled.softmax(dim=-1)  # (B, V)
         if any(p.min_p > 0.0 for p in params):
             min_p = on_device([p.min_p for p in params], dev).unsqueeze(1)
@@ -183,3 +250,32 @@ class Sampler:
         if any(greedy):
             ids = torch.where(on_device(greedy, dev), logits.argmax(dim=-1), ids)
         return ids
+
+    @staticmethod
+    def _top_k_drop(logits: Tensor, params: Seq[SamplingParams]) -> Tensor:
+        """Which tokens each row's top-k drops (none, for rows without one), ranked on the logits
+        before temperature."""
+        dev, vocab = logits.device, logits.shape[1]
+        ks = [min(p.top_k, vocab) if p.top_k > 0 else 1 for p in params]
+        values = logits.topk(min(max(ks) + 1, vocab), dim=-1).values  # (B, kmax + 1), descending
+        drop = keep_only(logits, values, on_device(ks, dev).unsqueeze(1))
+        off = [p.top_k <= 0 for p in params]
+        if any(off):
+            drop.masked_fill_(on_device(off, dev).unsqueeze(1), False)
+        return drop
+
+
+def keep_only(x: Tensor, values: Tensor, k: Tensor) -> Tensor:
+    """The mask of what to drop from each row of ``x`` (B, V) to keep exactly ``k`` (B, 1) of its
+    largest, ties at the k-th value going to the lowest ids as argmax breaks them: keeping one
+    is greedy. ``values``: each row's largest values, descending, at least k + 1 of them or all V."""
+    width = values.shape[1]
+    kth = values.gather(1, k - 1)  # (B, 1): the k-th largest value
+    drop = x < kth
+    # more than k kept only where the next value ties with the k-th (on CPU, checked for free)
+    surplus = (values.gather(1, k.clamp(max=width - 1)) == kth) & (k < width)
+    if x.device.type != "cpu" or bool(surplus.any()):
+        tied = (x == kth) & surplus
+        room = k - (x > kth).sum(dim=-1, keepdim=True)
+        drop |= tied & (tied.cumsum(dim=-1) > room)
+    return drop

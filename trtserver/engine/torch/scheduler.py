@@ -130,7 +130,7 @@ class Scheduler:
                 if not seq.finished:
                     seq.slot = heapq.heappop(self.free_slots)
                     seq.status = Status.PREFILL
-            group.prefill_slot = group.seqs[0].slot
+            group.prefill_slot = next(seq.slot for seq in group.seqs if not seq.finished)
             self.prefilling.append(group)
 
     # ---- numbers -------------------------------------------------------------------------

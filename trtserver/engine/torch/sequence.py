@@ -5,9 +5,16 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from trtserver.engine.base import FinishReason, GenerationRequest, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from trtserver.engine.base import LogitsProcessor, TokenConstraint
+    from trtserver.engine.torch.beam import BeamState
+    from trtserver.engine.torch.lora import LoraAdapter
 
 _arrival = itertools.count()
 
@@ -32,10 +39,10 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
-    # per-sequence sampling state, owned by the engine (torch objects; opaque here)
-    generator: Any = None
-    processors: list[Any] = field(default_factory=list)
-    constraint: Any = None
+    # per-sequence sampling state, owned by the engine (types named for type checkers only: no torch here)
+    generator: torch.Generator | None = None
+    processors: list[LogitsProcessor] = field(default_factory=list)
+    constraint: TokenConstraint | None = None
     # what the next delta carries (the engine appends, the runner drains)
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[float] = field(default_factory=list)
@@ -75,8 +82,8 @@ class Group:
     prompt_token_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_sent: bool = False
-    beam: Any = None  # BeamState when use_beam_search
-    adapter: Any = None  # the request's LoraAdapter (lora.py), loaded when the engine admits it
+    beam: BeamState | None = None  # when use_beam_search
+    adapter: LoraAdapter | None = None  # loaded when the engine admits the request
 
     @classmethod
     def from_request(cls, request: GenerationRequest) -> Group:

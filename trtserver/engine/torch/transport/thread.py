@@ -17,11 +17,12 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-from trtserver.engine.base import DeltaSink, GenerationRequest, SequenceOutput
+from trtserver.engine.base import EngineStats, GenerationRequest, SequenceOutput
 from trtserver.errors import EngineError
 
 if TYPE_CHECKING:  # the server's side of an engine process imports this module, and no torch
     from trtserver.engine.torch.core import EngineCore
+    from trtserver.engine.torch.transport.messages import Ready
 
 _Command = tuple[str, object, object]
 
@@ -29,46 +30,24 @@ _Command = tuple[str, object, object]
 class Mailbox:
     """One request's deltas, in order, for the one task that reads them: what ``asyncio.Queue`` does,
     without its size bound, task counting and putters (five times the Python calls per item, once
-    per streamed token).
+    per streamed token)."""
 
-    A ``sink`` (``RequestStreams.push_to``) is offered each delta that arrives while the reader is
-    parked with nothing queued, so order is kept; what it declines is queued for the reader as usual.
-    ``end()`` ends the reader's stream: ``get`` returns None, and later deltas are dropped."""
-
-    __slots__ = ("items", "_waiter", "sink", "ended")
+    __slots__ = ("items", "_waiter")
 
     def __init__(self) -> None:
         self.items: deque[SequenceOutput | BaseException] = deque()
         self._waiter: asyncio.Future[None] | None = None
-        self.sink: DeltaSink | None = None
-        self.ended = False
 
     def put(self, item: SequenceOutput | BaseException) -> None:
-        if self.ended:
-            return
-        waiter, sink = self._waiter, self.sink
-        if (sink is not None and waiter is not None and not self.items and not waiter.done()
-                and not isinstance(item, BaseException) and sink(item)):
-            return
         self.items.append(item)
-        self._wake()
-
-    def end(self) -> None:
-        self.ended = True
-        self.sink = None
-        self._wake()
-
-    def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
             if not waiter.done():  # a cancelled reader left it behind
                 waiter.set_result(None)
 
-    async def get(self) -> SequenceOutput | BaseException | None:
+    async def get(self) -> SequenceOutput | BaseException:
         while not self.items:
-            if self.ended:
-                return None
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
         return self.items.popleft()
@@ -77,6 +56,11 @@ class Mailbox:
 class RequestStreams:
     """The event-loop side of an engine worker (a thread here, a process in ``process.py``): one
     ``Mailbox`` per running request, fed by ``_dispatch`` with each step's deltas."""
+
+    threads_bound = False  # the worker's threads bound one per CPU (the engine process may be)
+    failure: str | None = None  # why the worker died under the server, if it did
+    report: Ready | None = None  # what a worker in another process settled (device, dtype, quantization)
+    stats: EngineStats  # the worker's latest numbers
 
     def __init__(self) -> None:
         self._boxes: dict[str, Mailbox] = {}
@@ -91,8 +75,6 @@ class RequestStreams:
         try:
             while num_outputs:
                 item = box.items.popleft() if box.items else await box.get()
-                if item is None:  # ended early by its sink's owner: the engine stops it (finally)
-                    return
                 if isinstance(item, BaseException):
                     finished = True  # the worker already dropped the request
                     raise item
@@ -108,15 +90,6 @@ class RequestStreams:
     def _submit(self, request: GenerationRequest, box: Mailbox) -> None:
         """Register ``box`` under the request's id and send the request to the worker (or raise)."""
         raise NotImplementedError
-
-    def push_to(self, request_id: str, sink: DeltaSink) -> Callable[[], None] | None:
-        """Offer ``sink`` the running request's deltas as they arrive (see ``Mailbox``). Returns the
-        function that ends the request's pulled stream early, or None if the request is not running."""
-        box = self._boxes.get(request_id)
-        if box is None:
-            return None
-        box.sink = sink
-        return box.end
 
     def _forget(self, rid: str) -> None:
         self._boxes.pop(rid, None)
@@ -136,7 +109,9 @@ class RequestStreams:
                 box.put(exc)
 
 
-class Runner(RequestStreams):
+class EngineThread(RequestStreams):
+    """The model on one worker thread of this process (``--no-engine-process``)."""
+
     def __init__(self, core: EngineCore) -> None:
         super().__init__()
         self.core = core
@@ -145,6 +120,11 @@ class Runner(RequestStreams):
         self._loops: dict[str, asyncio.AbstractEventLoop] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        core.preparer.notify = self._wake.set  # a request prepared off the loop is ready
+
+    @property
+    def stats(self) -> EngineStats:  # type: ignore[override]  # read from the core, here in this process
+        return self.core.stats()
 
     # ---- event-loop side -------------------------------------------------------------------
     def start(self) -> None:
@@ -202,7 +182,7 @@ class Runner(RequestStreams):
                 request = a
                 assert isinstance(request, GenerationRequest)
                 try:
-                    self.core.add(request)
+                    self.core.submit(request, request.request_id)
                 except Exception as exc:
                     errors.append((request.request_id, exc))
             else:

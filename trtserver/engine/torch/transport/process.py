@@ -7,7 +7,7 @@ Every hand-over of that lock cost a context switch and stalled the other side, s
 cores, as vLLM's engine core does.
 
 ``EngineProcess`` is the server's side: it starts ``worker.py`` with one end of a socket pair,
-writes commands as frames (``ipc.py``) and reads each step's deltas as one frame through an
+writes commands as frames (``messages.py``) and reads each step's deltas as one frame through an
 asyncio protocol, with no thread of its own. If the engine process dies, every running request
 fails with a 500 and ``failure`` says why (``/health`` then answers 503).
 """
@@ -20,21 +20,18 @@ import socket
 import subprocess
 import sys
 from collections.abc import Mapping
-from typing import Any
-
-import msgspec
 
 from trtserver.config import ServerConfig
 from trtserver.engine.base import EngineStats, GenerationRequest
-from trtserver.engine.torch import ipc
-from trtserver.engine.torch.runner import Mailbox, RequestStreams
+from trtserver.engine.torch.transport import messages
+from trtserver.engine.torch.transport.thread import Mailbox, RequestStreams
 from trtserver.errors import EngineError
 
 
 class EngineProcess(RequestStreams):
     def __init__(self, config: ServerConfig, *, seed: int | None, quantize: str | None, tokenizer: object) -> None:
         super().__init__()
-        self._start_args = (msgspec.to_builtins(config), seed, quantize or "none")
+        self._start = messages.Start(config, seed, quantize or "none")
         # the engine's threads bound one per CPU (pinned_env); `trtserver serve` then pins its event loop
         self.threads_bound = (config.pin_threads and config.device in ("auto", "cpu")
                               and hasattr(os, "sched_setaffinity"))
@@ -42,7 +39,7 @@ class EngineProcess(RequestStreams):
         self._process: subprocess.Popen[bytes] | None = None
         self._transport: asyncio.Transport | None = None
         self.stats = EngineStats(slots_total=config.max_batch_size)
-        self.report: dict[str, Any] = {}  # what the engine process settled: device, dtype, quantization
+        self.report: messages.Ready | None = None  # what the engine process settled: device, dtype, quantization
         self.failure: str | None = None  # set when the engine process died under the server
         self._stopping = False
 
@@ -54,26 +51,26 @@ class EngineProcess(RequestStreams):
         ours, theirs = socket.socketpair()
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "trtserver.engine.torch.worker", str(theirs.fileno())],
+                [sys.executable, "-m", "trtserver.engine.torch.transport.worker", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), close_fds=True,
                 env=pinned_env(os.environ) if self.threads_bound else None)
         finally:
             theirs.close()
         loop = asyncio.get_running_loop()
-        ready: asyncio.Future[tuple[bytes, Any]] = loop.create_future()
+        ready: asyncio.Future[messages.Ready | messages.Failed] = loop.create_future()
         self._transport, _ = await loop.create_unix_connection(
             lambda: _Frames(self, ready), sock=ours)
-        self._transport.write(ipc.frame(ipc.CONFIG, msgspec.msgpack.encode(self._start_args)))
-        kind, payload = await ready
-        if kind != ipc.READY:
+        self._transport.write(messages.frame(self._start))
+        answer = await ready
+        if isinstance(answer, messages.Failed):
             await self._reap()
-            raise EngineError(f"the engine process failed to start: {payload}")
-        self.report = payload
+            raise EngineError(f"the engine process failed to start: {answer.reason}")
+        self.report = answer
 
     async def stop(self) -> None:
         self._stopping = True
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(ipc.frame(ipc.STOP))
+            self._transport.write(messages.frame(messages.Stop()))
         await self._reap()
         self._fail_all(EngineError("the engine shut down"))
 
@@ -96,17 +93,17 @@ class EngineProcess(RequestStreams):
             raise EngineError(f"the engine process is not running: {self.failure}")
         if self._transport is None or self._transport.is_closing():
             raise EngineError("the engine is not running")
-        message = ipc.encode_request(request, self._tokenizer)  # raises before anything is registered
+        message = messages.encode_request(request, self._tokenizer)  # raises before anything is registered
         self._boxes[request.request_id] = box
-        self._transport.write(ipc.HEADER.pack(len(message)) + message)
+        self._transport.write(messages.HEADER.pack(len(message)) + message)
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(ipc.frame(ipc.ABORT, msgspec.msgpack.encode((request_id, index))))
+            self._transport.write(messages.frame(messages.Abort(request_id, index)))
 
     # ---- from the protocol -------------------------------------------------------------------
     def _on_step(self, payload: memoryview) -> None:
-        outputs, failed, self.stats = ipc.decode_step(payload)
+        outputs, failed, self.stats = messages.decode_step(payload)
         self._dispatch(outputs, failed)
 
     def _on_lost(self) -> None:
@@ -137,7 +134,7 @@ def pinned_env(environ: Mapping[str, str]) -> dict[str, str]:
 class _Frames(asyncio.Protocol):
     """Splits the engine's byte stream into frames."""
 
-    def __init__(self, owner: EngineProcess, ready: asyncio.Future[tuple[bytes, Any]]) -> None:
+    def __init__(self, owner: EngineProcess, ready: asyncio.Future[messages.Ready | messages.Failed]) -> None:
         self.owner = owner
         self.ready = ready
         self.pending = bytearray()
@@ -147,23 +144,23 @@ class _Frames(asyncio.Protocol):
             self.pending += data
             data = bytes(self.pending)
             self.pending.clear()
-        view, start, header = memoryview(data), 0, ipc.HEADER.size
+        view, start, header = memoryview(data), 0, messages.HEADER.size
         while len(data) - start >= header:
-            (size,) = ipc.HEADER.unpack_from(data, start)
+            (size,) = messages.HEADER.unpack_from(data, start)
             if len(data) - start - header < size:
                 break
-            self._frame(data[start + header:start + header + 1], view[start + header + 1:start + header + size])
+            self._frame(view[start + header:start + header + size])
             start += header + size
         if start < len(data):
             self.pending += view[start:]
 
-    def _frame(self, kind: bytes, body: memoryview) -> None:
-        if kind == ipc.STEP:
+    def _frame(self, body: memoryview) -> None:
+        if self.ready.done():  # once ready, the engine sends only steps
             self.owner._on_step(body)
-        elif not self.ready.done():
-            self.ready.set_result((kind, ipc.decode_plain(body)))
+        else:
+            self.ready.set_result(messages.startup_decoder.decode(body))
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.ready.done():
-            self.ready.set_result((ipc.FAILED, f"it exited before it was ready ({exc or 'socket closed'})"))
+            self.ready.set_result(messages.Failed(f"it exited before it was ready ({exc or 'socket closed'})"))
         self.owner._on_lost()
