@@ -120,7 +120,7 @@ class Service:
         # a token covers at most this many bytes: a longer text cannot fit the context, untokenized
         self.longest_token_bytes = max((len(b) for b in token_bytes), default=0) if token_bytes else 0
         self.info = engine.info
-        self.quota_store: QuotaStore = quota_store or MemoryQuotaStore()
+        self.quota_store: QuotaStore = quota_store if quota_store is not None else MemoryQuotaStore()
         self.adapters = AdapterRegistry(config.adapters_dir, max_rank=config.max_lora_rank) \
             if config.adapters_dir else None
         self.extras = extras or {}  # per-API start-up objects (the chat template, tool parsers)
