@@ -224,10 +224,14 @@ def _authenticate(request: web.Request) -> None:
                                          headers={"WWW-Authenticate": "Bearer"})
 
 
+GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
 def _count_failure(request: web.Request, status: int) -> None:
     metrics = request.app[STATE].metrics
-    if metrics is not None and request.path == "/v1/completions":
-        metrics.requests.labels(status=str(status), tier="none").inc()
+    endpoint = GENERATION_ENDPOINTS.get(request.path)
+    if metrics is not None and endpoint is not None:
+        metrics.requests.labels(status=str(status), tier="none", endpoint=endpoint).inc()
 
 
 def _state(request: web.Request) -> ServerState:
@@ -388,7 +392,8 @@ async def _account(state: ServerState, service: Service, prepared: Prepared[Any]
         state.metrics.observe_request(status=200 if prepared.completed else 499, tier=prepared.context.service_tier,
                                       prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                                       ttft_s=ttft, total_s=now - prepared.started_at,
-                                      request_id=prepared.context.request_id, user=prepared.context.user)
+                                      request_id=prepared.context.request_id, user=prepared.context.user,
+                                      endpoint=prepared.api_name)
     if prepared.counted:
         project = prepared.context.project or "default"
         await await_me_maybe(service.quota_store.add_tokens(project, usage.total_tokens, now))

@@ -35,8 +35,8 @@ class Metrics:
     def __init__(self, engine_stats: Callable[[], EngineStats | None], exemplars: str = "none") -> None:
         self.exemplars = exemplars  # none | request_id | request_id_and_user (ServerConfig.metrics_exemplars)
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("trtserver_requests", "Completed HTTP requests to /v1/completions",
-                                ["status", "tier"], registry=self.registry)
+        self.requests = Counter("trtserver_requests", "Completed HTTP requests to the generation endpoints",
+                                ["status", "tier", "endpoint"], registry=self.registry)
         self.prompt_tokens = Counter("trtserver_prompt_tokens", "Prompt tokens processed", registry=self.registry)
         self.completion_tokens = Counter("trtserver_completion_tokens", "Tokens generated", registry=self.registry)
         self.time_to_first_token = Histogram("trtserver_time_to_first_token_seconds", "Time to the first token",
@@ -49,14 +49,15 @@ class Metrics:
         self.registry.register(_EngineCollector(engine_stats))
 
     def observe_request(self, *, status: int, tier: str | None, prompt_tokens: int, completion_tokens: int,
-                        ttft_s: float | None, total_s: float, request_id: str = "", user: str | None = None) -> None:
+                        ttft_s: float | None, total_s: float, request_id: str = "", user: str | None = None,
+                        endpoint: str = "completions") -> None:
         """Once per request: token-level timing is summarised by the caller, never observed per token.
 
         Where the operator asks for them (``metrics_exemplars``), the request id and the client's
         ``user`` ride on the latency histogram as an OpenMetrics exemplar (shown to scrapers that ask
         for OpenMetrics), not as labels, which would grow without bound; by default they carry
         nothing that identifies a client."""
-        self.requests.labels(status=str(status), tier=tier or "none").inc()
+        self.requests.labels(status=str(status), tier=tier or "none", endpoint=endpoint).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.completion_tokens.inc(completion_tokens)
         exemplar: dict[str, str] | None = None

@@ -61,6 +61,7 @@ class Prepared(Generic[RequestT]):
     sequences: int = 1  # reserved in the waiting bound until the request ends
     completed: bool = False  # False: the client went away or it failed
     api_state: Any = None  # what the API keeps for this request (the chat tools' mode)
+    api_name: str = "completions"  # the endpoint, as metrics label it
     choices: dict[tuple[int, int], ChoiceState] = field(default_factory=dict)  # by (prompt, sequence)
 
 
@@ -218,7 +219,7 @@ class Service:
             for param, reason in self.engine.check(engine_request):
                 raise Unsupported(reason, param=_sent_param(request, plan, param))
         return Prepared(request, plan, context, response_id, int(time.time()), prompts, engine_requests, stops,
-                        counted=tier.counted, sequences=sequences, api_state=state)
+                        counted=tier.counted, sequences=sequences, api_state=state, api_name=api.name)
 
     async def _guided_decoder(self, spec: GuideSpec, backend: str) -> GuidedDecoder:
         if not self.info.capabilities.guided_decoding:
