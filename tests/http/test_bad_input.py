@@ -111,6 +111,26 @@ def test_unknown_route_is_enveloped_404(http: httpx.Client) -> None:
     response = http.get("/v1/nothing")
     assert response.status_code == 404
     assert response.json()["error"]["type"] == "not_found_error"
+    assert response.json()["error"]["code"] == "not_found"  # a route, not a model
+
+
+def test_wrong_method_is_enveloped_405_with_allow(http: httpx.Client) -> None:
+    response = http.get("/v1/chat/completions")
+    assert response.status_code == 405
+    assert response.headers["Allow"] == "POST"
+    assert response.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_models_retrieve_and_an_unknown_model(http: httpx.Client) -> None:
+    card = http.get(f"/v1/models/{MODEL}").json()
+    assert card["id"] == MODEL and card["object"] == "model" and card["root"] == MODEL
+    response = http.get("/v1/models/gpt-17")
+    assert response.status_code == 404
+    assert response.json()["error"]["param"] == "model" and response.json()["error"]["code"] == "model_not_found"
+
+
+def test_version(http: httpx.Client) -> None:
+    assert http.get("/version").json()["version"]
 
 
 def test_server_still_serves_after_bad_requests(http: httpx.Client) -> None:

@@ -132,11 +132,7 @@ async def error_middleware(request: web.Request,
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        kind = errors.NotFound if exc.status == 404 else errors.APIError
-        wrapped = kind(exc.reason or "error", code=None)
-        wrapped.status = exc.status
-        wrapped.type = "not_found_error" if exc.status == 404 else "invalid_request_error"
-        return error_response(wrapped)
+        return error_response(_route_error(request, exc))
     except asyncio.CancelledError:
         if not state.cut_off:
             log.info("client_disconnected")
@@ -150,6 +146,18 @@ async def error_middleware(request: web.Request,
         if task is not None:
             state.handling.pop(task, None)
         structlog.contextvars.unbind_contextvars("request_id", "user")
+
+
+def _route_error(request: web.Request, exc: web.HTTPException) -> errors.APIError:
+    """aiohttp's own refusals (no such route, wrong method) as the envelope; a 405 keeps its Allow header."""
+    if exc.status == 404:
+        return errors.NotFound(f"No route {request.method} {request.path}", code="not_found")
+    headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+    wrapped = errors.APIError(exc.reason or "error", code="method_not_allowed" if exc.status == 405 else None,
+                              headers=headers)
+    wrapped.status = exc.status
+    wrapped.type = "invalid_request_error"
+    return wrapped
 
 
 async def _cut_off(request: web.Request) -> web.StreamResponse:
