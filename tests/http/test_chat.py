@@ -24,11 +24,11 @@ WEATHER_PARAMETERS = {
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                             "parameters": WEATHER_PARAMETERS}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The local time in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
-                   "required": ["city"], "additionalProperties": False}}}
-SCHEMAS = {"get_weather": WEATHER_PARAMETERS, "get_time": TIME["function"]["parameters"]}
+TIME_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"], "additionalProperties": False}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The local time in a city",
+                                         "parameters": TIME_PARAMETERS}}
+SCHEMAS = {"get_weather": WEATHER_PARAMETERS, "get_time": TIME_PARAMETERS}
 
 
 def create(client: OpenAI, **kwargs: object):  # type: ignore[no-untyped-def]
