@@ -5,7 +5,8 @@ Every request gets its own numbered user message (so neither API reuses the othe
 completions request is sent the token ids ``/tokenize`` gives for its messages, so both APIs generate
 from prompts of the same tokens through the same template. A round runs, for each concurrency, both
 APIs back to back, the order alternating from round to round. Per API and round: the server's CPU
-seconds per streamed token (its worker processes included), and the median gap between a stream's content chunks (one decode step).
+seconds per streamed token (its worker processes included), and the median gap between a stream's
+content chunks (one decode step).
 Chat's cost is given as its paired difference in percent of completions' (per token, that is per
 decode step); the table shows the median over rounds and the spread of the rounds.
 
