@@ -295,7 +295,7 @@ class ChatCompletionRequest(GenerationFields, kw_only=True):
             raise FieldError("top_logprobs needs logprobs set to true", "top_logprobs")
         limit = self.completion_limit
         if limit is not None and self.min_tokens > limit:
-            raise FieldError(f"min_tokens must be less than or equal to max_tokens={limit}", "min_tokens")
+            raise FieldError(f"min_tokens must be less than or equal to {self.limit_param}={limit}", "min_tokens")
         if limit == 0:
             raise FieldError("max_completion_tokens must be at least 1", self.limit_param)
         if self.continue_final_message and self.add_generation_prompt:

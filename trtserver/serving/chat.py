@@ -233,7 +233,13 @@ class _ChoiceOutput:
                 calls.append(ToolCallDelta(index=event.index, id=event.id, type="function",
                                            function=FunctionCallDelta(name=event.name, arguments="")))
             elif isinstance(event, ToolCallArguments):
-                calls.append(ToolCallDelta(index=event.index, function=FunctionCallDelta(arguments=event.text)))
+                previous = calls[-1].function if calls and calls[-1].index == event.index else None
+                if previous is not None and isinstance(previous.arguments, str):
+                    # one entry per call in a delta: clients merge fragments across deltas, not within one
+                    previous.arguments += event.text
+                else:
+                    calls.append(ToolCallDelta(index=event.index,
+                                               function=FunctionCallDelta(arguments=event.text)))
         if content or (first and not calls):
             delta.content = "".join(content)
         if calls:
