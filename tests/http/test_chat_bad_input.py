@@ -138,8 +138,6 @@ def test_bad_request(http: httpx.Client, name: str, body: object, status: int, p
         assert word.lower() in error["message"].lower(), error
 
 
-@pytest.mark.xfail(strict=True, reason="a guided-decoding backend's compile error reaches the client with param "
-                                       "null: the core does not name the field that carried the schema")
 @pytest.mark.parametrize("body, param", [
     ({**OK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}},
      "response_format"),

@@ -185,7 +185,15 @@ class Service:
         max_tokens = checks.resolve_max_tokens(plan, prompts, self.config, self.info)
         sampling = checks.sampling_params(request, plan, max_tokens, self.info)
         guide = api.guide(request, state)
-        guided = await self._guided_decoder(*guide) if guide is not None else None
+        guided = None
+        if guide is not None:
+            try:
+                guided = await self._guided_decoder(*guide)
+            except InvalidRequest as exc:  # a backend that cannot compile the schema: blame the field carrying it
+                if exc.param is None:
+                    sent = _sent_param(request, plan, "guided")
+                    exc.param = "tools" if sent == "guided" and getattr(request, "tools", None) else sent
+                raise
         processors = [f for fs in self.pm.hook.trtserver_logits_processors(request=request, context=context,
                                                                             tokenizer=self.tokenizer)
                       if fs for f in fs]
