@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import pytest
 import torch
 
 
@@ -39,3 +40,17 @@ class BanToken:
     def __call__(self, output_token_ids: Sequence[int], logits: torch.Tensor) -> None:
         logits[self.token] = float("-inf")
 
+
+
+def _cpu_packs_bfloat16() -> bool:
+    from trtserver.engine.torch.cpu_weights import can_pack_for_cpu
+
+    return can_pack_for_cpu(torch.bfloat16)
+
+
+# the CPU paths built on oneDNN's packed bfloat16 GEMMs (int4/int8 decode kernels' batch path, batch
+# invariance in bfloat16) exist only on CPUs with AVX-512 or AVX-NE-CONVERT; elsewhere the engine uses float32
+NEEDS_BF16_PACKING = pytest.mark.skipif(
+    not _cpu_packs_bfloat16(),
+    reason="this CPU has no AVX-512 (or AVX-NE-CONVERT): oneDNN cannot pack bfloat16 weights here, so the "
+           "engine serves float32 and this bfloat16 path does not exist")

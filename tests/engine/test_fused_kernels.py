@@ -17,6 +17,7 @@ from torch import Tensor
 
 from tests.engine.test_model_families import make_checkpoint
 from tests.engine.test_scripted_decode import MAX_LEN, _run_both
+from tests.support import NEEDS_BF16_PACKING
 from trtserver.engine.torch import kernels, scripted
 from trtserver.engine.torch.cache import KVCache
 from trtserver.engine.torch.cpu_weights import pack_for_cpu, quantize_weights
@@ -154,6 +155,7 @@ def _agree(model: Transformer, slots: list[int], positions: list[int], want: Ten
             _close(fused_cache.v[i][slot, :, pos].flatten(), eager_cache.v[i][slot, :, pos].flatten())
 
 
+@NEEDS_BF16_PACKING
 @pytest.mark.parametrize("small", [True, False], ids=["small-int4", "batch-packed"])
 @pytest.mark.parametrize(("slots", "positions"), CASES)
 def test_fused_decode_follows_the_eager_layers(smol_fused: Transformer, slots: list[int], positions: list[int],
@@ -162,6 +164,7 @@ def test_fused_decode_follows_the_eager_layers(smol_fused: Transformer, slots: l
     _agree(smol_fused, slots, positions, want, got, eager_cache, fused_cache)
 
 
+@NEEDS_BF16_PACKING
 @pytest.mark.parametrize(("slots", "positions"), CASES)
 def test_fused_batch_decode_follows_the_eager_batch_path(smol_dir: Path, ops, slots: list[int],  # type: ignore[no-untyped-def]
                                                          positions: list[int]) -> None:
@@ -174,6 +177,7 @@ def test_fused_batch_decode_follows_the_eager_batch_path(smol_dir: Path, ops, sl
     _agree(model, slots, positions, want, got, eager_cache, fused_cache)
 
 
+@NEEDS_BF16_PACKING
 def test_without_the_kernels_the_scripted_aten_calls_run(smol_dir: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(kernels, "load", lambda **_: False)  # no compiler on this machine
     model = load_model(smol_dir, torch.bfloat16, torch.device("cpu"))

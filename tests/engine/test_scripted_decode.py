@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from tests.engine.test_model_families import make_checkpoint
+from tests.support import NEEDS_BF16_PACKING
 from trtserver.engine.torch import scripted
 from trtserver.engine.torch.cache import KVCache
 from trtserver.engine.torch.core import attention_length
@@ -85,6 +86,7 @@ CASES = [
 ]
 
 
+@NEEDS_BF16_PACKING
 @pytest.mark.parametrize("small", [True, False], ids=["small-int4", "batch-packed"])
 @pytest.mark.parametrize(("slots", "positions"), CASES)
 def test_smollm2_int4_scripted_decode_is_the_eager_one(smol_int4: Transformer, slots: list[int],
@@ -92,6 +94,7 @@ def test_smollm2_int4_scripted_decode_is_the_eager_one(smol_int4: Transformer, s
     _both_ways(smol_int4, slots, positions, small=small)
 
 
+@NEEDS_BF16_PACKING
 def test_int8_with_qkv_biases_is_the_eager_one(tmp_path: Path) -> None:
     make_checkpoint(tmp_path, "qwen2")
     model = load_model(tmp_path, torch.bfloat16, torch.device("cpu"))
@@ -104,7 +107,7 @@ def test_int8_with_qkv_biases_is_the_eager_one(tmp_path: Path) -> None:
         _both_ways(model, [0, 1], [9, 30], small=small)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=NEEDS_BF16_PACKING), torch.float32])
 def test_unquantized_models_script_only_the_batch_path(tmp_path: Path, dtype: torch.dtype) -> None:
     make_checkpoint(tmp_path, "llama")
     model = load_model(tmp_path, dtype, torch.device("cpu"))

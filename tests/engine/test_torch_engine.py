@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from tests.support import AllowedTokens
+from tests.support import NEEDS_BF16_PACKING, AllowedTokens
 from trtserver.engine.base import GenerationRequest, SamplingParams, SequenceOutput
 from trtserver.engine.torch.engine import TorchEngine
 from trtserver.errors import EngineError
@@ -382,6 +382,7 @@ def test_core_switches_threads_by_rows_in_the_forward(smol_dir, monkeypatch) -> 
     assert calls == [2, 1, 2, 1, 2]
 
 
+@NEEDS_BF16_PACKING
 async def test_batch_invariant_bfloat16_beyond_the_small_batch(smol_dir) -> None:  # type: ignore[no-untyped-def]
     """More rows than SMALL_BATCH: with batch_invariant, each prompt's greedy tokens are the same alone
     and in the crowd, although alone it is a batch of one."""

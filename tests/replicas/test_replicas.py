@@ -46,7 +46,7 @@ def token_sum(deployment: Deployment, project: str) -> int:
 
 
 def requests_counted(metrics_text: str) -> int:
-    return int(sum(float(m) for m in re.findall(r'^trtserver_requests_total\{status="200"[^}]*\} (\S+)$',
+    return int(sum(float(m) for m in re.findall(r'^trtserver_requests_total\{[^}]*status="200"[^}]*\} (\S+)$',
                                                  metrics_text, re.MULTILINE)))
 
 

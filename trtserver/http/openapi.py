@@ -28,6 +28,10 @@ ERROR_STATUSES = {"400": "Invalid request", "401": "Missing or wrong API key", "
                   "503": "Loading, draining or overloaded"}
 
 
+# as quota.py checks it: 1 to 128 printable characters (printable ASCII here)
+PROJECT_ID = {"type": "string", "minLength": 1, "maxLength": 128, "pattern": "^[ -~]+$"}
+
+
 def _error_responses() -> dict[str, Any]:
     ref = {"$ref": "#/components/schemas/ErrorResponse"}
     return {code: {"description": text, "content": {"application/json": {"schema": ref}}}
@@ -59,7 +63,7 @@ def openapi_document() -> dict[str, Any]:
             "/v1/completions": {"post": {
                 "operationId": "createCompletion",
                 "parameters": [{"name": "ai_project_id", "in": "query", "required": False,
-                                "schema": {"type": "string"}}],
+                                "schema": PROJECT_ID}],
                 "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
                 "responses": {
                     "200": {"description": "A completion, or with stream=true an SSE stream of chunks",
@@ -71,7 +75,7 @@ def openapi_document() -> dict[str, Any]:
             "/v1/chat/completions": {"post": {
                 "operationId": "createChatCompletion",
                 "parameters": [{"name": "ai_project_id", "in": "query", "required": False,
-                                "schema": {"type": "string"}}],
+                                "schema": PROJECT_ID}],
                 "requestBody": {"required": True, "content": {"application/json": {"schema": chat}}},
                 "responses": {
                     "200": {"description": "A chat completion, or with stream=true an SSE stream of chunks",
