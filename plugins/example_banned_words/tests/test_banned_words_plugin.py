@@ -55,7 +55,8 @@ async def test_the_model_cannot_say_a_banned_word(trtserver_scripted_client_fact
 
 @pytest.mark.parametrize("table", [{"words": "dragons"}, {"word": ["dragons"]}])
 async def test_a_bad_table_stops_start_up(trtserver_scripted_client_factory: Any, table: dict[str, Any]) -> None:
-    with pytest.raises(PluginConfigError, match=r"plugin 'banned_words': invalid settings in \[plugins\.banned_words\]"):
+    named = r"plugin 'banned_words': invalid settings in \[plugins\.banned_words\]"
+    with pytest.raises(PluginConfigError, match=named):
         await trtserver_scripted_client_factory(plugins=[plugin], plugin_allowlist=[],
                                                 plugin_settings={"banned_words": table})
 

@@ -61,8 +61,12 @@ async def test_stored_only_when_asked(client: TestClient[Any, Any], log_dir: Pat
 async def test_write_is_off_the_event_loop(monkeypatch: pytest.MonkeyPatch, log_dir: Path) -> None:
     threads: list[str] = []
     original = trtserver_prompt_log.append_record
-    monkeypatch.setattr(trtserver_prompt_log, "append_record",
-                        lambda *a: (threads.append(threading.current_thread().name), original(*a)))
+
+    def recording(*args: Any) -> None:
+        threads.append(threading.current_thread().name)
+        original(*args)
+
+    monkeypatch.setattr(trtserver_prompt_log, "append_record", recording)
 
     class Request:
         log_prompt, model, prompt = True, None, [1, 2, 3]
@@ -102,7 +106,7 @@ def test_retention(tmp_path: Path) -> None:
 
 def test_settings_come_from_the_table() -> None:
     assert settings_for(build_config({"engine_dir": "."})) is None
-    table = {"engine_dir": ".", "plugins": {"prompt_log": {"dir": "/p"}}}
+    table: dict[str, object] = {"engine_dir": ".", "plugins": {"prompt_log": {"dir": "/p"}}}
     assert settings_for(build_config(table)) == PromptLogSettings(dir="/p", retention_days=30)
     table["plugins"] = {"prompt_log": {"dir": "/p", "retention_days": 7}}
     assert settings_for(build_config(table)) == PromptLogSettings(dir="/p", retention_days=7)

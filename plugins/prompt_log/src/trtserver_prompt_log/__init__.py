@@ -16,8 +16,8 @@ The write runs in a worker thread (the hook returns an awaitable), never on the 
 
 Retention: at start-up (``trtserver_app_created``) files ``prompts-YYYY-MM-DD.jsonl`` whose date is
 more than ``retention_days`` days ago (default 30; 0 keeps nothing older than today) are deleted;
-a bad table stops start-up, naming the setting. Long-running servers are expected to be restarted by deploys; an operator who
-needs stricter retention runs a cleanup job on the same rule.
+a bad table stops start-up, naming the setting. Long-running servers are expected to be restarted
+by deploys; an operator who needs stricter retention runs a cleanup job on the same rule.
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ def trtserver_request_received(request: CompletionRequest | ChatCompletionReques
     if settings is None:
         raise InvalidRequest("prompt logging is not enabled on this server", param="log_prompt")
     now = dt.datetime.now(dt.timezone.utc)
-    record = {"time": now.isoformat(), "request_id": context.request_id, "model": context.model or request.model,
-              "user": context.user}
+    record: dict[str, Any] = {"time": now.isoformat(), "request_id": context.request_id,
+                              "model": context.model or request.model, "user": context.user}
     if isinstance(request, ChatCompletionRequest):
         record["messages"] = msgspec.to_builtins(request.messages)
     else:
