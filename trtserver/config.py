@@ -133,8 +133,6 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         gt=0, description="seconds an idle keep-alive connection stays open")] = 75.0
     adapters_dir: Annotated[str | None, Meta(
         description="directory of LoRA adapters, each served as a model name")] = None
-    prompt_log_dir: Annotated[str | None, Meta(
-        description="where the prompt-log plugin writes prompts of requests that set `log_prompt`")] = None
     shutdown_grace_s: Annotated[float, Meta(
         ge=0, description="seconds running requests may finish after SIGTERM")] = 30.0
     event_loop: Annotated[Literal["auto", "asyncio", "uvloop"], Meta(

@@ -86,7 +86,8 @@ def test_plugins_cli_lists_name_version_hooks() -> None:
     assert plugins["fingerprint"]["hooks"] == ["trtserver_system_fingerprint"]
     assert plugins["stops"]["hooks"] == ["trtserver_stop_checkers"]
     assert plugins["prompt_log"]["hooks"] == ["trtserver_app_created", "trtserver_request_received"]
-    assert plugins["banned_words"]["hooks"] == ["trtserver_logits_processors", "trtserver_request_received"]
+    assert plugins["banned_words"]["hooks"] == ["trtserver_app_created", "trtserver_logits_processors",
+                                                "trtserver_request_received"]
     assert all(p["source"] == "entry point" for n, p in plugins.items() if n not in core)
 
 

@@ -1,6 +1,11 @@
 """Banned words: a small, complete trtserver plugin to copy.
 
-Set ``TRTSERVER_BANNED_WORDS=word1,word2`` (read on every request). Then:
+Settings, in the server's TOML file (validated at start-up, so a bad table stops the server)::
+
+    [plugins.banned_words]
+    words = ["dragons", "lava"]
+
+Then:
 
 * ``trtserver_request_received``: a prompt containing a banned word (any case, whole word) is
   rejected with a 400 naming ``prompt``;
@@ -15,27 +20,35 @@ With no words configured the plugin does nothing.
 from __future__ import annotations
 
 import functools
-import os
 import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from trtserver import hookimpl
 from trtserver.errors import InvalidRequest
+from trtserver.plugins import plugin_settings
 from trtserver.protocol import ChatCompletionRequest
 
 if TYPE_CHECKING:
+    from trtserver.config import ServerConfig
     from trtserver.protocol import CompletionRequest
     from trtserver.request_context import RequestContext
     from trtserver.tokenizer import Tokenizer
 
 __version__ = "0.1.0"
 
-ENV = "TRTSERVER_BANNED_WORDS"
+NAME = "banned_words"  # the entry point's name, and so the settings table's
 
 
-def banned_words() -> tuple[str, ...]:
-    return tuple(w.strip() for w in os.environ.get(ENV, "").split(",") if w.strip())
+class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    words: list[str] = []
+
+
+def banned_words(config: ServerConfig) -> tuple[str, ...]:
+    """The ``[plugins.banned_words]`` table's words, blanks dropped."""
+    return tuple(w.strip() for w in plugin_settings(config, NAME, Settings).words if w.strip())
 
 
 @functools.lru_cache(maxsize=64)
@@ -66,8 +79,13 @@ def _prompt_texts(prompt: object) -> list[str]:
 
 
 @hookimpl
+def trtserver_app_created(config: ServerConfig) -> None:
+    banned_words(config)  # a bad table stops start-up, naming the plugin and the setting
+
+
+@hookimpl
 def trtserver_request_received(request: CompletionRequest | ChatCompletionRequest, context: RequestContext) -> None:
-    words = banned_words()
+    words = banned_words(context.config)
     if not words:
         return
     pattern = re.compile(r"\b(" + "|".join(re.escape(w) for w in words) + r")\b", re.IGNORECASE)
@@ -84,7 +102,7 @@ def trtserver_request_received(request: CompletionRequest | ChatCompletionReques
 @hookimpl
 def trtserver_logits_processors(request: CompletionRequest, context: RequestContext,
                                 tokenizer: Tokenizer) -> list[Callable[[], BanSequences]] | None:
-    words = banned_words()
+    words = banned_words(context.config)
     if not words:
         return None
     sequences = banned_sequences(tokenizer, words)

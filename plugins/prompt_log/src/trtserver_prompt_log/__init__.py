@@ -1,6 +1,12 @@
 """OctoAI's ``log_prompt``: store a request's prompt only when the request says ``log_prompt: true``.
 
-Where: ``ServerConfig.prompt_log_dir`` (``--prompt-log-dir``). Each asked-for request appends one
+Settings, in the server's TOML file (no table: prompt logging is off)::
+
+    [plugins.prompt_log]
+    dir = "/var/log/trtserver/prompts"
+    retention_days = 30
+
+Each asked-for request appends one
 JSON line ``{"time", "request_id", "model", "prompt", "user"}`` to
 ``<dir>/prompts-YYYY-MM-DD.jsonl`` (UTC date). Nothing is stored for requests that do not ask.
 A request that asks while no directory is configured gets a 400 (``param: log_prompt``), so a
@@ -9,25 +15,25 @@ client never believes its prompt was kept when it was not.
 The write runs in a worker thread (the hook returns an awaitable), never on the event loop.
 
 Retention: at start-up (``trtserver_app_created``) files ``prompts-YYYY-MM-DD.jsonl`` whose date is
-more than ``TRTSERVER_PROMPT_LOG_RETENTION_DAYS`` days ago (default 30; 0 keeps nothing older than
-today) are deleted. Long-running servers are expected to be restarted by deploys; an operator who
-needs stricter retention runs a cleanup job on the same rule.
+more than ``retention_days`` days ago (default 30; 0 keeps nothing older than today) are deleted;
+a bad table stops start-up, naming the setting. Long-running servers are expected to be restarted
+by deploys; an operator who needs stricter retention runs a cleanup job on the same rule.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import os
 import threading
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
 from trtserver import hookimpl
 from trtserver.errors import InvalidRequest
+from trtserver.plugins import plugin_settings
 from trtserver.protocol import ChatCompletionRequest
 
 if TYPE_CHECKING:
@@ -39,22 +45,23 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-RETENTION_ENV = "TRTSERVER_PROMPT_LOG_RETENTION_DAYS"
-DEFAULT_RETENTION_DAYS = 30
+NAME = "prompt_log"
 PREFIX, SUFFIX = "prompts-", ".jsonl"
 
 _lock = threading.Lock()
 _encoder = msgspec.json.Encoder()
 
 
-def retention_days() -> int:
-    value = os.environ.get(RETENTION_ENV, "").strip()
-    if not value:
-        return DEFAULT_RETENTION_DAYS
-    days = int(value)
-    if days < 0:
-        raise ValueError(f"{RETENTION_ENV} must be >= 0, got {days}")
-    return days
+class PromptLogSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    dir: Annotated[str, msgspec.Meta(min_length=1)]
+    retention_days: Annotated[int, msgspec.Meta(ge=0)] = 30
+
+
+def settings_for(config: ServerConfig) -> PromptLogSettings | None:
+    """The validated ``[plugins.prompt_log]`` table, or None when the config has none."""
+    if not config.plugin_config(NAME):
+        return None
+    return plugin_settings(config, NAME, PromptLogSettings)
 
 
 def log_path(directory: str | Path, now: dt.datetime) -> Path:
@@ -87,8 +94,10 @@ def append_record(directory: str, record: dict[str, Any], now: dt.datetime) -> N
 
 @hookimpl
 def trtserver_app_created(app: web.Application, config: ServerConfig) -> None:
-    if config.prompt_log_dir:
-        delete_expired(config.prompt_log_dir, retention_days(), dt.datetime.now(dt.timezone.utc).date())
+    """Validate the settings before anything starts, then drop the expired files."""
+    settings = settings_for(config)
+    if settings is not None:
+        delete_expired(settings.dir, settings.retention_days, dt.datetime.now(dt.timezone.utc).date())
 
 
 @hookimpl
@@ -96,14 +105,14 @@ def trtserver_request_received(request: CompletionRequest | ChatCompletionReques
                                context: RequestContext) -> Awaitable[None] | None:
     if not request.log_prompt:
         return None
-    directory = context.config.prompt_log_dir
-    if not directory:
+    settings = settings_for(context.config)
+    if settings is None:
         raise InvalidRequest("prompt logging is not enabled on this server", param="log_prompt")
     now = dt.datetime.now(dt.timezone.utc)
-    record = {"time": now.isoformat(), "request_id": context.request_id, "model": context.model or request.model,
-              "user": context.user}
+    record: dict[str, Any] = {"time": now.isoformat(), "request_id": context.request_id,
+                              "model": context.model or request.model, "user": context.user}
     if isinstance(request, ChatCompletionRequest):
         record["messages"] = msgspec.to_builtins(request.messages)
     else:
         record["prompt"] = request.prompt
-    return asyncio.to_thread(append_record, directory, record, now)
+    return asyncio.to_thread(append_record, settings.dir, record, now)
