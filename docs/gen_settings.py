@@ -31,8 +31,9 @@ def type_text(kind: Any) -> str:
         for meta in typing.get_args(kind)[1:]:
             if isinstance(meta, msgspec.Meta):
                 for name, sign in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<")):
-                    if getattr(meta, name) is not None:
-                        bounds.append(f"{sign} {getattr(meta, name)}")
+                    bound = getattr(meta, name)
+                    if bound is not None:  # 0 and 0.0 are one cached Annotated type: print whole numbers alike
+                        bounds.append(f"{sign} {int(bound) if float(bound).is_integer() else bound}")
         kind = typing.get_args(kind)[0]
     args = typing.get_args(kind)
     origin = typing.get_origin(kind)
