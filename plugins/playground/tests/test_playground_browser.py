@@ -102,7 +102,8 @@ def test_stop_aborts_and_the_server_frees_the_slot(page: Page, base_url: str) ->
     page.fill("prompt", "1, 2, 3, 4, 5, 6,")
     page.fill("max_tokens", "400")
     page.fill("temperature", "0")
-    aborted = metric(base_url, "trtserver_requests_total", 'endpoint="completions",status="499",tier="auto"')
+    gone = 'endpoint="completions",status="499",tier="auto"'  # a request whose client went away
+    aborted = metric(base_url, "trtserver_requests_total", gone)
     page.send()
     page.wait(lambda d: len(page.answer()) > 3, 60)
     assert metric(base_url, "trtserver_running_sequences") == 1
@@ -112,7 +113,7 @@ def test_stop_aborts_and_the_server_frees_the_slot(page: Page, base_url: str) ->
     while metric(base_url, "trtserver_running_sequences") != 0:
         assert time.monotonic() < deadline, "the server still runs the stopped request"
         time.sleep(0.1)
-    assert metric(base_url, "trtserver_requests_total", 'endpoint="completions",status="499",tier="auto"') == aborted + 1
+    assert metric(base_url, "trtserver_requests_total", gone) == aborted + 1
     stopped_at = page.answer()
     assert 0 < len(stopped_at) and page.text("stat-finish") == "–"
     page.wait(lambda d: page.text("metric-running") == "0", 5)
