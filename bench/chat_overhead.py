@@ -31,8 +31,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.peers import cpu_seconds, stop_process
-from bench.serve_overhead import _free_port, _wait_ready
+from bench.peers import cpu_seconds, free_port, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "Tell me a long story about a lighthouse keeper and the sea."
@@ -125,7 +124,7 @@ async def main() -> None:
     ap.add_argument("--max-rounds", type=int, default=20)
     ap.add_argument("--serve-args", default="", help="extra flags for `trtserver serve`")
     args = ap.parse_args()
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "trtserver.cli", "serve", args.engine_dir, "--engine", "torch", "--port",
            str(port), "--log-format", "console", *shlex.split(args.serve_args)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -171,3 +170,20 @@ async def main() -> None:
 
 if __name__ == "__main__":
     asyncio.run(main())
+
+
+async def _wait_ready(base: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Until ``/health`` answers 200; the server exiting first is an error."""
+    deadline = time.perf_counter() + timeout
+    async with aiohttp.ClientSession() as session:
+        while time.perf_counter() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}")
+            try:
+                async with session.get(f"{base}/health") as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.05)
+    raise TimeoutError("server not ready")
