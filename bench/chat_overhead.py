@@ -168,9 +168,6 @@ async def main() -> None:
         stop_process(proc)
 
 
-if __name__ == "__main__":
-    asyncio.run(main())
-
 
 async def _wait_ready(base: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
     """Until ``/health`` answers 200; the server exiting first is an error."""
@@ -187,3 +184,8 @@ async def _wait_ready(base: str, proc: subprocess.Popen[bytes], timeout: float) 
                 pass
             await asyncio.sleep(0.05)
     raise TimeoutError("server not ready")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
+
