@@ -85,7 +85,7 @@ class LoadResult:
         return len(self.results) - len(self.ok)
 
 
-async def stream_completion(session: aiohttp.ClientSession, base_url: str, model: str, prompt: str, max_tokens: int,
+async def stream_completion(http: aiohttp.ClientSession, base_url: str, model: str, prompt: str, max_tokens: int,
                             *, extra: dict[str, Any] | None = None, timeout_s: float = 300.0) -> StreamResult:
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                             "stream": True}
@@ -94,7 +94,7 @@ async def stream_completion(session: aiohttp.ClientSession, base_url: str, model
     usage_tokens: int | None = None
     t0 = time.perf_counter()
     try:
-        async with session.post(f"{base_url}/v1/completions", json=body,
+        async with http.post(f"{base_url}/v1/completions", json=body,
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
@@ -146,8 +146,8 @@ async def completion_usage(base_url: str, model: str, prompt: str, max_tokens: i
     """A non-streamed request: (completion_tokens from usage, finish_reason, text)."""
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
     body.update(extra or {})
-    async with (aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
-                session.post(f"{base_url}/v1/completions", json=body) as resp):
+    async with (aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http,
+                http.post(f"{base_url}/v1/completions", json=body) as resp):
         msg = await resp.json()
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {str(msg)[:300]}")
@@ -169,13 +169,13 @@ async def run_load(base_url: str, model: str, prompt: str, max_tokens: int, stre
                    fresh_prompts: bool = True) -> LoadResult:
     """``streams`` closed-loop workers, each sending ``per_stream`` requests back to back (bounded)."""
     connector = aiohttp.TCPConnector(limit=streams + 4)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
 
         async def worker() -> list[StreamResult]:
             out = []
             for _ in range(per_stream):
                 text = unique(prompt) if fresh_prompts else prompt
-                out.append(await stream_completion(session, base_url, model, text, max_tokens, extra=extra,
+                out.append(await stream_completion(http, base_url, model, text, max_tokens, extra=extra,
                                                    timeout_s=timeout_s))
             return out
 
