@@ -25,7 +25,7 @@ import pytest
 
 from tests.http.conftest import MODEL, start_server, stop_server
 from trtserver.config import TierLimits
-from trtserver.http.app import json_depth
+from trtserver.http.body import json_depth
 from trtserver.quota import WINDOW_S, MemoryQuotaStore
 
 GOOD_KEY, ALPHA_KEY, METRICS_KEY = "k-good", "k-alpha", "k-metrics"

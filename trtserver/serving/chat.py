@@ -156,8 +156,7 @@ class ChatApi:
                 reason = choice.finish_reason if choice.finished else None
                 if reason == "stop" and out.calls:
                     reason = "tool_calls"
-                usage = Usage(choice.prompt_tokens, choice.completion_tokens,
-                              choice.prompt_tokens + choice.completion_tokens) if continuous else None
+                usage = choice.usage() if continuous else None
                 part = ChatChunkChoice(index=choice.seq_index, delta=delta, logprobs=lps,
                                        finish_reason=reason,  # type: ignore[arg-type]
                                        stop_reason=choice.stop_reason if choice.finished else None)

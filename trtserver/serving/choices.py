@@ -15,6 +15,7 @@ from trtserver.protocol import (
     CompletionRequest,
     CompletionResponse,
     PromptLogprob,
+    Usage,
 )
 from trtserver.text import TextStream
 from trtserver.tokenizer import Tokenizer
@@ -107,6 +108,10 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
 
     beam_score: float | None = None
+
+    def usage(self) -> Usage:
+        """This choice's tokens so far (``continuous_usage_stats``)."""
+        return Usage(self.prompt_tokens, self.completion_tokens, self.prompt_tokens + self.completion_tokens)
 
     def score(self) -> float:
         """How best_of and beam search rank choices: beam score, else mean token logprob."""

@@ -63,8 +63,7 @@ class CompletionsApi:
                 if out is None:
                     continue
                 choice = piece.choice
-                usage = Usage(choice.prompt_tokens, choice.completion_tokens,
-                              choice.prompt_tokens + choice.completion_tokens) if continuous else None
+                usage = choice.usage() if continuous else None
                 yield self.response(prepared, service, [out], usage)
         if request.stream and options is not None and options.include_usage:
             yield self.response(prepared, service, [], prepared.usage)
