@@ -38,6 +38,12 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_batch_size: Annotated[int, Meta(ge=1, description="sequences decoded together (KV-cache slots)")] = 16
     max_model_len: Annotated[Annotated[int, Meta(ge=1)] | None, Meta(
         description="context length in tokens, prompt and completion; default: the manifest's")] = None
+    prefix_cache: Annotated[bool, Meta(
+        description="reuse the K/V of prompt prefixes the engine has already computed (a chat's system prompt "
+                    "and earlier turns); TensorRT-LLM: its KV-cache block reuse")] = True
+    prefix_cache_slots: Annotated[Annotated[int, Meta(ge=0)] | None, Meta(
+        description="PyTorch engine: KV-cache slots beyond --max-batch-size that only keep cached prefixes "
+                    "(each holds one sequence's K/V); default: a quarter of --max-batch-size")] = None
     prefill_chunk_size: Annotated[int, Meta(
         ge=16, description="prompt tokens prefilled per step, interleaved with decode steps")] = 512
     threads: Annotated[int, Meta(
@@ -140,6 +146,13 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_format: Annotated[Literal["auto", "json", "console"], Meta(
         description="log lines as JSON or for a console; auto = console on a terminal, else JSON")] = "auto"
     log_level: Annotated[str, Meta(description="least severe level logged: debug, info, warning, error")] = "info"
+
+    @property
+    def prefix_cache_extra_slots(self) -> int:
+        """KV-cache slots kept for cached prefixes only, beyond the ``max_batch_size`` running ones."""
+        if not self.prefix_cache:
+            return 0
+        return self.prefix_cache_slots if self.prefix_cache_slots is not None else max(1, self.max_batch_size // 4)
 
     @property
     def engine_path(self) -> Path:

@@ -419,10 +419,15 @@ class CompletionChoice(msgspec.Struct):
     token_ids: list[int] | UnsetType = UNSET
 
 
-class Usage(msgspec.Struct):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # when the engine has a prefix cache
 
 
 class CompletionResponse(msgspec.Struct):

@@ -141,6 +141,7 @@ class SequenceOutput:
     stop_token_id: int | None = None
     cumulative_logprob: float = 0.0
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # of the prompt's tokens, those whose K/V came from the prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +157,7 @@ class Capabilities:
     priority: bool = True
     adapters: bool = False
     max_logprobs: int = 20
+    prefix_caching: bool = False  # deltas report num_cached_tokens: usage carries prompt_tokens_details
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,3 +235,5 @@ class EngineStats:
     waiting: int = 0
     slots_total: int = 0
     slots_used: int = 0
+    prefix_cache_hit_tokens: int = 0  # prompt tokens served from the prefix cache, since start
+    prefix_cache_miss_tokens: int = 0  # prompt tokens computed, since start (while the cache is on)

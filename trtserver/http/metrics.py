@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
@@ -21,7 +21,7 @@ class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
         self._stats = stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         stats = self._stats()
         if stats is None:
             return
@@ -29,6 +29,11 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("trtserver_running_sequences", "Sequences in the running batch", value=stats.running)
         yield GaugeMetricFamily("trtserver_kv_slots_used", "KV-cache slots in use", value=stats.slots_used)
         yield GaugeMetricFamily("trtserver_kv_slots_total", "KV-cache slots", value=stats.slots_total)
+        yield CounterMetricFamily("trtserver_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                  value=stats.prefix_cache_hit_tokens)
+        yield CounterMetricFamily("trtserver_prefix_cache_miss_tokens",
+                                  "Prompt tokens computed while the prefix cache was on",
+                                  value=stats.prefix_cache_miss_tokens)
 
 
 class Metrics:

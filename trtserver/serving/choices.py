@@ -15,12 +15,19 @@ from trtserver.protocol import (
     CompletionRequest,
     CompletionResponse,
     PromptLogprob,
+    PromptTokensDetails,
     Usage,
 )
 from trtserver.text import TextStream
 from trtserver.tokenizer import Tokenizer
 
 MIN_LOGPROB = -9999.0
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> Usage:
+    """The usage object; ``cached_tokens`` None: the engine has no prefix cache, so no details."""
+    details = None if cached_tokens is None else PromptTokensDetails(cached_tokens)
+    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, details)
 
 
 def clamp(value: float) -> float:
@@ -106,12 +113,13 @@ class ChoiceState:
     stop_reason: int | str | None = None
     started: bool = False
     token_ids: list[int] = field(default_factory=list)
+    cached_tokens: int | None = None  # of its prompt's tokens, those the prefix cache served; None: no cache
 
     beam_score: float | None = None
 
     def usage(self) -> Usage:
         """This choice's tokens so far (``continuous_usage_stats``)."""
-        return Usage(self.prompt_tokens, self.completion_tokens, self.prompt_tokens + self.completion_tokens)
+        return make_usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     def score(self) -> float:
         """How best_of and beam search rank choices: beam score, else mean token logprob."""

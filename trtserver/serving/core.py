@@ -31,7 +31,7 @@ from trtserver.quota import MemoryQuotaStore, QuotaStore, decide_tier
 from trtserver.request_context import RequestContext
 from trtserver.serving import checks
 from trtserver.serving.checks import Plan, PromptInput
-from trtserver.serving.choices import ChoiceState, PromptScores
+from trtserver.serving.choices import ChoiceState, PromptScores, make_usage
 from trtserver.serving.streams import merge_streams
 from trtserver.text import IncrementalDecoder, StopChecker, StopStrings, TextStream
 
@@ -250,6 +250,7 @@ class Service:
         """A state per (prompt, sequence): the detokenizer, stop checkers and counts of each choice."""
         request = prepared.request
         eos = () if request.ignore_eos else self.info.eos_token_ids
+        cached = 0 if self.info.capabilities.prefix_caching else None
         choices = {}
         for p, prompt in enumerate(prepared.prompts):
             for s in range(prepared.plan.width):
@@ -259,7 +260,7 @@ class Service:
                                     include_stop_str_in_output=request.include_stop_str_in_output)
                 choices[(p, s)] = ChoiceState(p, s, stream, len(prompt.token_ids),
                                               echo_text=echo(prompt) if echo is not None else "",
-                                              eos_token_ids=eos)
+                                              eos_token_ids=eos, cached_tokens=cached)
         prepared.choices = choices
         return choices
 
@@ -282,6 +283,8 @@ class Service:
                         continue
                     first = not choice.started
                     choice.started = True
+                    if delta.num_cached_tokens and choice.cached_tokens is not None:
+                        choice.cached_tokens = delta.num_cached_tokens
                     text = choice.advance(delta)
                     if choice.finished and delta.finish_reason is None:  # we stopped it (stop string): free it
                         self.engine.abort(prepared.engine_requests[prompt_index].request_id, delta.index)
@@ -297,8 +300,13 @@ class Service:
 
     def usage(self, prepared: Prepared[Any], choices: Iterable[ChoiceState]) -> Usage:
         prompt_tokens = sum(len(p.token_ids) for p in prepared.prompts)
-        completion = sum(c.completion_tokens for c in choices)
-        return Usage(prompt_tokens, completion, prompt_tokens + completion)
+        completion = 0
+        cached: dict[int, int] | None = {} if self.info.capabilities.prefix_caching else None
+        for c in choices:
+            completion += c.completion_tokens
+            if cached is not None and c.cached_tokens:
+                cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.cached_tokens)
+        return make_usage(prompt_tokens, completion, None if cached is None else sum(cached.values()))
 
     def stream(self, api: Api[Any], prepared: Prepared[Any]) -> AsyncGenerator[Any, None]:
         """What a streaming client gets: the API's chunks (its usage chunk last, when asked)."""
