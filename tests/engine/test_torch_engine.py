@@ -359,8 +359,9 @@ def test_thread_counts_follow_the_options(smol_dir, monkeypatch) -> None:  # typ
 def test_core_switches_threads_by_rows_in_the_forward(smol_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from trtserver.engine.torch.model import SMALL_BATCH
 
+    # no prefix cache: the shared first prompt token would shrink the second prefill to small rows
     eng = TorchEngine.from_dir(smol_dir, device="cpu", dtype="float32", max_batch_size=8, max_model_len=64,
-                               threads=1, batch_threads=2)
+                               threads=1, batch_threads=2, prefix_cache=False)
     eng.load()
     core = eng.core
     assert core.threads == (1, 2)

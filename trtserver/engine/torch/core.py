@@ -38,20 +38,26 @@ log = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, model: Transformer, *, num_slots: int, max_len: int, chunk_size: int,
                  eos_token_ids: Seq[int], device: torch.device, seed: int | None = None,
-                 small_batch: int = 0, threads: tuple[int, int] | None = None) -> None:
+                 small_batch: int = 0, threads: tuple[int, int] | None = None, prefix_cache: bool = False,
+                 cache_slots: int = 0) -> None:
         """``small_batch``: decode batches of up to this many rows take the small-batch kernels
         (``model.SMALL_BATCH``: float32 attention, quantized projections); 0 = never.
 
         ``threads`` (CPU): torch threads for forwards of up to ``SMALL_BATCH`` rows (decode GEMVs,
         bound by reading weights: a second thread's hand-over costs more than it brings) and for
         larger ones (prefill, big decode batches: their GEMMs are compute-bound and nearly halve on
-        two cores); None = leave torch's setting alone."""
+        two cores); None = leave torch's setting alone.
+
+        ``prefix_cache``: reuse the K/V of prompt prefixes already computed (``prefix_cache.py``), kept
+        in finished sequences' slots and in ``cache_slots`` slots beyond the ``num_slots`` running ones."""
         args = model.args
         dtype = model.tok_embeddings.weight.dtype
         self.model, self.device, self.max_len = model, device, max_len
-        self.cache = KVCache(args.n_layers, num_slots, args.n_kv_heads, max_len, args.head_dim, dtype, device)
+        cache_slots = cache_slots if prefix_cache else 0
+        self.cache = KVCache(args.n_layers, num_slots + cache_slots, args.n_kv_heads, max_len, args.head_dim, dtype,
+                             device)
         model.setup_rope(max_len)
-        self.scheduler = Scheduler(num_slots, chunk_size)
+        self.scheduler = Scheduler(num_slots, chunk_size, cache_slots=cache_slots, prefix_cache=prefix_cache)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sampler = Sampler(args.vocab_size, tuple(eos_token_ids), device, seed)
         self._positions = torch.arange(max_len + 1, device=device)
@@ -170,6 +176,7 @@ class EngineCore:
                 self._dirty.pop(seq, None)
             ids.append(group.request_id)
         self.current = []
+        self.scheduler.prefix.clear()  # the failed step's writes, and its copies, may be partial
         return ids
 
     @property
@@ -179,8 +186,8 @@ class EngineCore:
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(running=s.num_running, waiting=s.num_waiting + len(self.preparer.pending),
-                           slots_total=s.num_slots,
-                           slots_used=s.slots_used)
+                           slots_total=s.num_slots, slots_used=s.slots_used,
+                           prefix_cache_hit_tokens=s.prefix.hit_tokens, prefix_cache_miss_tokens=s.prefix.miss_tokens)
 
     def run_step(self) -> tuple[list[SequenceOutput], list[tuple[str, BaseException]]]:
         """What a worker calls in its loop: a step if there is work, else what is still to report,
@@ -220,6 +227,8 @@ class EngineCore:
     def step(self) -> list[SequenceOutput]:
         plan = self.scheduler.schedule()
         self.current = [c.group for c in plan.prefill] + list({s.group: None for s in plan.decode})
+        for src, dst, length in plan.copies:  # cached prefixes, before anything writes this step
+            self.cache.copy_slot(src, [dst], length)
         if plan.prefill:
             self._prefill(plan.prefill)
         if plan.decode:
@@ -290,6 +299,8 @@ class EngineCore:
             live = [s for s in group.seqs if not s.finished]
             if group.request.sampling.max_tokens == 0 or group.prompt_len >= self.max_len:
                 for seq in live:
+                    if seq.slot != group.prefill_slot:
+                        seq.num_cached = 0  # the prompt was never copied to its slot
                     self._finish(seq, "length")
                 continue
             self.cache.copy_slot(group.prefill_slot, [s.slot for s in live if s.slot != group.prefill_slot],
@@ -433,6 +444,7 @@ class EngineCore:
                 request_id=group.request_id, index=seq.index, token_ids=seq.pending_ids,
                 finish_reason=seq.finish_reason, stop_token_id=seq.stop_token_id,
                 cumulative_logprob=seq.cumulative_logprob, num_prompt_tokens=group.prompt_len,
+                num_cached_tokens=group.cached_tokens,
             )
             if p.logprobs is not None and group.beam is None:
                 delta.logprobs, delta.top_logprobs = seq.pending_logprobs, seq.pending_top

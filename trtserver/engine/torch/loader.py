@@ -135,7 +135,8 @@ def load(path: Path, config: ServerConfig, placement: Placement, *, eos_token_id
         model.scripted = build(model)
     core = EngineCore(model, num_slots=config.max_batch_size, max_len=max_len, chunk_size=config.prefill_chunk_size,
                       eos_token_ids=eos_token_ids, device=device, seed=seed,
-                      small_batch=small_batch(config, device, dtype), threads=threads)
+                      small_batch=small_batch(config, device, dtype), threads=threads,
+                      prefix_cache=config.prefix_cache, cache_slots=config.prefix_cache_extra_slots)
     core.lora = lora
     if device.type == "cuda" and config.cuda_graphs:
         from trtserver.engine.torch.graphs import capture_decode_graphs

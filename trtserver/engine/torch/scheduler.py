@@ -1,8 +1,9 @@
 """Which sequences run in the next step. Plain Python, no torch.
 
 Every request (a ``Group`` of ``n`` sequences) holds ``n`` fixed KV-cache slots from admission
-until it finishes, so nothing is ever preempted. Admission is by priority, then arrival; the
-head of the queue is never skipped, so a wide request cannot starve. A step is one prefill
+until it finishes, so nothing is ever preempted; which free slots it takes, and how much of its
+prompt they already hold, is the prefix cache's choice (``prefix_cache.py``). Admission is by
+priority, then arrival; the head of the queue is never skipped, so a wide request cannot starve. A step is one prefill
 chunk (at most ``chunk_size`` padded tokens, from one or more admitted prompts) plus one
 batched decode of every running sequence: a long prompt delays decodes by one chunk per
 step, never more.
@@ -11,8 +12,10 @@ step, never more.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from trtserver.engine.torch.prefix_cache import PrefixCache, Source
 from trtserver.engine.torch.sequence import Group, Sequence, Status
 
 
@@ -31,16 +34,20 @@ class PrefillChunk:
 class ScheduledStep:
     prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int, int]] = field(default_factory=list)  # (from slot, to slot, positions), first
 
     def __bool__(self) -> bool:
         return bool(self.prefill or self.decode)
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, chunk_size: int) -> None:
+    def __init__(self, num_slots: int, chunk_size: int, *, cache_slots: int = 0, prefix_cache: bool = False) -> None:
+        """``num_slots`` sequences run at once; ``cache_slots`` more slots only keep cached prefixes."""
         self.num_slots = num_slots
         self.chunk_size = chunk_size
-        self.free_slots = list(range(num_slots))  # a heap: lowest slot first keeps batches contiguous
+        self.prefix = PrefixCache(num_slots + cache_slots, enabled=prefix_cache)
+        self.slots_held = 0
+        self._copies: list[tuple[int, int, int]] = []
         self.waiting: list[tuple[int, int, Group]] = []  # heap of (priority, arrival, group)
         self.prefilling: list[Group] = []  # admitted, prompt not fully computed, in admission order
         self.running: set[Sequence] = set()
@@ -59,10 +66,12 @@ class Scheduler:
         """Mark ``seq`` finished (its finish_reason already set) and free its slot."""
         if seq.status is Status.FINISHED:
             return
+        was = seq.status
         seq.status = Status.FINISHED
         self.running.discard(seq)
         if seq.slot >= 0:
-            heapq.heappush(self.free_slots, seq.slot)
+            self.prefix.release(seq.slot, _cached_tokens(seq, was), seq.group.request.adapter)
+            self.slots_held -= 1
             seq.slot = -1
         group = seq.group
         if group.finished:
@@ -93,7 +102,8 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
         self._admit()
-        step = ScheduledStep(decode=sorted(self.running, key=_slot))
+        step = ScheduledStep(decode=sorted(self.running, key=_slot), copies=self._copies)
+        self._copies = []
         budget = self.chunk_size
         width = 0
         for group in self.prefilling:
@@ -123,15 +133,35 @@ class Scheduler:
             if group.finished:  # aborted while waiting
                 heapq.heappop(self.waiting)
                 continue
-            if group.num_slots > len(self.free_slots):
+            live = [seq for seq in group.seqs if not seq.finished]
+            if len(live) > self.num_slots - self.slots_held:
                 return
             heapq.heappop(self.waiting)
-            for seq in group.seqs:
-                if not seq.finished:
-                    seq.slot = heapq.heappop(self.free_slots)
-                    seq.status = Status.PREFILL
-            group.prefill_slot = next(seq.slot for seq in group.seqs if not seq.finished)
+            request = group.request
+            placement = self.prefix.place(len(live), request.prompt_token_ids, request.adapter,
+                                          reuse=group.prompt_token_logprobs is None, held=self._sources())
+            for seq, slot in zip(live, placement.slots):
+                seq.slot = slot
+                seq.status = Status.PREFILL
+            self.slots_held += len(live)
+            group.prefill_slot = placement.slots[0]
+            group.prefill_pos = group.cached_tokens = placement.cached
+            if placement.copy is not None:
+                self._copies.append(placement.copy)
             self.prefilling.append(group)
+
+    def _sources(self) -> Iterator[Source]:
+        """Held slots whose prompt K/V a new request may copy: what each has computed of its prompt."""
+        for group in self.groups.values():
+            if group.prefill_slot < 0:
+                continue  # still waiting
+            if group.prefill_done:
+                seq = next((s for s in group.seqs if s.status is Status.RUNNING), None)
+                if seq is not None:
+                    yield Source(seq.slot, group.request.prompt_token_ids, group.prompt_len, group.request.adapter)
+            elif group.prefill_pos and not group.finished:
+                yield Source(group.prefill_slot, group.request.prompt_token_ids, group.prefill_pos,
+                             group.request.adapter)
 
     # ---- numbers -------------------------------------------------------------------------
     @property
@@ -148,8 +178,19 @@ class Scheduler:
 
     @property
     def slots_used(self) -> int:
-        return self.num_slots - len(self.free_slots)
+        return self.slots_held
 
 
 def _slot(seq: Sequence) -> int:
     return seq.slot
+
+
+def _cached_tokens(seq: Sequence, status: Status) -> list[int]:
+    """The tokens whose K/V ``seq``'s slot holds as it is freed, from position 0."""
+    group = seq.group
+    prompt = group.request.prompt_token_ids
+    if status is Status.PREFILL:
+        return prompt[:group.prefill_pos] if seq.slot == group.prefill_slot else []
+    if group.beam is not None:  # beams swap their generated K/V between slots: only the prompt is sure
+        return prompt[:min(seq.num_cached, len(prompt))]
+    return (prompt + seq.output_ids)[:seq.num_cached]

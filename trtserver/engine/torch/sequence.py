@@ -78,6 +78,7 @@ class Group:
     arrival: int = field(default_factory=lambda: next(_arrival))
     prefill_pos: int = 0  # prompt tokens computed so far, in ``prefill_slot``
     prefill_slot: int = -1  # sequence 0's slot at admission; copied to the others when done
+    cached_tokens: int = 0  # prompt tokens whose K/V the prefix cache supplied (prefill starts there)
     # prompt logprobs, filled during prefill, sent with sequence 0's first delta
     prompt_token_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None

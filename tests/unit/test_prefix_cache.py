@@ -1,0 +1,168 @@
+"""The prefix cache's slot choice (torch-free): reuse, copies, LRU eviction, adapters, and the
+scheduler's use of it."""
+
+from __future__ import annotations
+
+import random
+
+from trtserver.engine.base import GenerationRequest, SamplingParams
+from trtserver.engine.torch.prefix_cache import PrefixCache, Source, common_prefix
+from trtserver.engine.torch.scheduler import Scheduler
+from trtserver.engine.torch.sequence import Group, Status
+
+
+def test_common_prefix_against_a_plain_loop() -> None:
+    rng = random.Random(0)
+    for _ in range(500):
+        a = [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
+        b = a[:rng.randrange(0, len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(0, 10))]
+        limit = rng.randrange(0, 50)
+        expected = 0
+        while expected < min(len(a), len(b), limit) and a[expected] == b[expected]:
+            expected += 1
+        assert common_prefix(a, b, limit) == expected, (a, b, limit)
+
+
+def test_a_prompt_extending_an_entry_takes_its_slot() -> None:
+    cache = PrefixCache(4)
+    first = cache.place(1, [1, 2, 3, 4], None, reuse=True)
+    assert first.slots == [0] and first.cached == 0
+    cache.release(0, [1, 2, 3, 4, 9], None)  # prompt + one generated token cached
+    again = cache.place(1, [1, 2, 3, 4, 9, 7, 7], None, reuse=True)
+    assert again.slots == [0] and again.cached == 5 and again.copy is None
+    assert cache.hit_tokens == 5 and cache.miss_tokens == 4 + 2
+
+
+def test_the_last_prompt_token_is_always_computed() -> None:
+    cache = PrefixCache(2)
+    cache.release(0, [1, 2, 3], None)
+    same = cache.place(1, [1, 2, 3], None, reuse=True)
+    assert same.cached == 2  # its logits start decoding
+    cache.release(1, [5, 6, 7, 8], None)
+    shorter = cache.place(1, [5, 6], None, reuse=True)
+    assert shorter.cached == 1
+
+
+def test_a_partial_match_is_copied_and_the_entry_kept_whole() -> None:
+    cache = PrefixCache(3)
+    cache.release(1, [1, 2, 3, 4, 5, 6], None)
+    placement = cache.place(1, [1, 2, 3, 9], None, reuse=True)
+    assert placement.cached == 3
+    assert placement.copy == (1, placement.slots[0], 3) and placement.slots[0] != 1
+    assert 1 in cache.entries  # the doc and its first question stay for the next one
+
+
+def test_no_shared_token_means_no_reuse_and_the_lowest_empty_slot() -> None:
+    cache = PrefixCache(3)
+    cache.release(2, [1, 2, 3], None)
+    placement = cache.place(1, [7, 2, 3], None, reuse=True)
+    assert placement.slots == [0] and placement.cached == 0 and placement.copy is None
+    assert 2 in cache.entries
+
+
+def test_entries_are_evicted_least_recently_used_first() -> None:
+    cache = PrefixCache(3)
+    for slot, first in ((0, 10), (1, 20), (2, 30)):
+        cache.place(1, [first, 1], None, reuse=True)
+        cache.release(slot, [first, 1, 2], None)
+    cache.place(1, [10, 1, 2, 5], None, reuse=True)  # a hit on slot 0: taken whole
+    cache.release(0, [10, 1, 2, 5], None)  # slot 0 is now the most recent
+    placement = cache.place(1, [99, 1], None, reuse=True)
+    assert placement.slots == [1]  # the oldest entry goes
+    assert set(cache.entries) == {0, 2}
+
+
+def test_entries_match_only_their_adapter() -> None:
+    cache = PrefixCache(3)
+    cache.release(0, [1, 2, 3, 4], "sql")
+    assert cache.place(1, [1, 2, 3, 4, 5], None, reuse=True).cached == 0
+    assert cache.place(1, [1, 2, 3, 4, 5], "other", reuse=True).cached == 0
+    assert cache.place(1, [1, 2, 3, 4, 5], "sql", reuse=True).cached == 4
+
+
+def test_held_slots_are_copied_from_never_taken() -> None:
+    cache = PrefixCache(3)
+    taken = cache.place(1, [1, 2, 3, 4, 5], None, reuse=True).slots
+    running = Source(taken[0], [1, 2, 3, 4, 5], valid=5, adapter=None)
+    placement = cache.place(2, [1, 2, 3, 4, 8], None, reuse=True, held=[running])
+    assert placement.cached == 4 and placement.copy == (taken[0], placement.slots[0], 4)
+    assert taken[0] not in placement.slots and len(set(placement.slots)) == 2
+    half = Source(taken[0], [1, 2, 3, 4, 5], valid=2, adapter=None)  # still prefilling: 2 positions written
+    assert PrefixCache(2).place(1, [1, 2, 3, 4, 8], None, reuse=True, held=[half]).cached == 2
+
+
+def test_reuse_false_and_disabled_compute_everything() -> None:
+    cache = PrefixCache(2)
+    cache.release(0, [1, 2, 3], None)
+    assert cache.place(1, [1, 2, 3, 4], None, reuse=False).cached == 0
+    off = PrefixCache(3, enabled=False)
+    assert [off.place(1, [1, 2], None, reuse=True).slots[0] for _ in range(3)] == [0, 1, 2]
+    off.release(1, [1, 2], None)
+    off.release(0, [1, 2], None)
+    again = off.place(1, [1, 2, 3], None, reuse=True)
+    assert again.slots == [0] and again.cached == 0 and not off.entries
+    assert off.hit_tokens == off.miss_tokens == 0
+
+
+def test_clear_forgets_every_entry() -> None:
+    cache = PrefixCache(2)
+    cache.release(1, [1, 2, 3], None)
+    cache.clear()
+    assert cache.place(1, [1, 2, 3, 4], None, reuse=True).cached == 0
+
+
+def request_group(rid: str, prompt: list[int], n: int = 1, prompt_logprobs: int | None = None) -> Group:
+    return Group.from_request(GenerationRequest(rid, prompt, SamplingParams(prompt_logprobs=prompt_logprobs), n=n))
+
+
+def finish_all(s: Scheduler) -> None:
+    for seq in list(s.running):
+        seq.finish_reason = "stop"
+        s.finish(seq)
+
+
+def run_step(s: Scheduler) -> tuple[list[tuple[int, int, int]], list[tuple[str, int, int]]]:
+    """Schedule a step; pretend its prefill ran; return the copies and (request, start, end) chunks."""
+    step = s.schedule()
+    chunks = [(c.group.request_id, c.start, c.end) for c in step.prefill]
+    for c in step.prefill:
+        s.prefilled(c)
+        if c.last:
+            for seq in c.group.seqs:
+                seq.num_cached = c.group.prompt_len
+    return step.copies, chunks
+
+
+def test_scheduler_starts_prefill_after_the_cached_prefix() -> None:
+    s = Scheduler(num_slots=2, chunk_size=64, cache_slots=1, prefix_cache=True)
+    doc = list(range(100, 140))
+    s.add(request_group("a", doc + [1, 2]))
+    assert run_step(s) == ([], [("a", 0, 42)])
+    for seq in s.running:
+        seq.output_ids = [7]
+        seq.num_cached = 43  # the generated token's K/V are written too
+    finish_all(s)
+    s.add(request_group("b", doc + [1, 2, 7, 3]))  # the next turn: extends the whole entry
+    assert run_step(s) == ([], [("b", 43, 44)])
+    assert s.groups["b"].cached_tokens == 43
+    s.add(request_group("c", doc + [5]))  # while "b" runs: its prompt's first 40 tokens are copied
+    copies, chunks = run_step(s)
+    b_slot = s.groups["b"].seqs[0].slot
+    c_group = s.groups["c"]
+    assert copies == [(b_slot, c_group.prefill_slot, 40)] and chunks == [("c", 40, 41)]
+    assert s.slots_used == 2  # the extra slot only caches: no third request runs
+
+
+def test_scheduler_records_nothing_uncertain() -> None:
+    s = Scheduler(num_slots=2, chunk_size=8, prefix_cache=True)
+    prompt = list(range(1, 21))
+    s.add(request_group("a", prompt, n=2))
+    run_step(s)  # 8 of 20 prompt tokens into the prefill slot
+    group = s.groups["a"]
+    other = next(q for q in group.seqs if q.slot != group.prefill_slot)
+    assert other.status is Status.PREFILL
+    s.abort("a")
+    assert s.prefix.entries[group.prefill_slot].tokens == prompt[:8]
+    assert len(s.prefix.entries) == 1  # the second slot never received the prompt
+    s.add(request_group("logprobs", prompt, prompt_logprobs=0))
+    assert run_step(s)[1] == [("logprobs", 0, 8)]  # scoring the prompt recomputes it
