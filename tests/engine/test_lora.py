@@ -178,6 +178,28 @@ async def test_matches_peft(lora_engine: TorchEngine, adapters: dict[str, Any], 
     assert adapters["ref"][""][0] != ref_ids
 
 
+async def test_cached_prefixes_never_cross_adapters(lora_engine: TorchEngine, adapters: dict[str, Any]) -> None:
+    """One prompt under each adapter in turn, twice over: the prefix cache serves a prompt only its own
+    adapter's K/V, and a served prompt still continues exactly as transformers + peft's."""
+    prompt_len = len(lora_engine.tokenizer.encode(PROMPT))
+    for round_ in range(2):
+        for name in ("qv", "", "all"):
+            ref_ids, ref_logprobs = adapters["ref"][name]
+            ids = ref_ids[:prompt_len]
+            sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+            request = GenerationRequest(f"lora{next(_ids)}", ids, sampling, adapter=name or None)
+            tokens: list[int] = []
+            logprobs: list[float] = []
+            async for delta in lora_engine.generate(request):
+                tokens += delta.token_ids
+                logprobs += delta.logprobs or []
+                cached = delta.num_cached_tokens
+            assert tokens == ref_ids[prompt_len:], (round_, name)
+            torch.testing.assert_close(torch.tensor(logprobs), ref_logprobs[prompt_len - 1:], atol=2e-3, rtol=1e-3)
+            if round_:  # every adapter's entry is there by now: each prompt is served from its own
+                assert cached == prompt_len - 1, (name, cached)
+
+
 async def test_base_unchanged_without_adapter(lora_engine: TorchEngine, engine: TorchEngine,
                                               adapters: dict[str, Any]) -> None:
     """No adapter: bit-identical to an engine without adapters support, and equal to transformers."""
