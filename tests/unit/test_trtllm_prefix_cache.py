@@ -14,6 +14,8 @@ from tests.standins import harness
 from tests.standins.harness import make_engine, request
 from trtserver.engine.base import SequenceOutput
 from trtserver.engine.trtllm.version import class_fields, has_setting
+from trtserver.hookspecs import hookimpl
+from trtserver.http.state import STATE
 
 standin = harness.standin
 
@@ -138,3 +140,33 @@ def test_setting_probe_reads_bindings_dataclasses_and_models(standin: Any) -> No
     assert ModelConfig().enable_block_reuse is True
     with pytest.raises(ValueError):
         ModelConfig(reuse=True)
+
+
+class StandinEngines:
+    """Registers the TensorRT-LLM engine under another name: ``--engine trtllm`` asks for a GPU."""
+
+    @hookimpl
+    def trtserver_register_engines(self, register: Any) -> None:
+        from trtserver.engine.trtllm import TrtllmEngine
+
+        register("trtllm-standin", TrtllmEngine)
+
+
+async def test_usage_reports_cached_prompt_tokens(
+    standin: Any, tmp_path: Path, trtserver_client_factory: Any
+) -> None:
+    standin("v1")
+    root = harness.make_engine_dir(tmp_path / "e", trtllm_version=None)  # the PyTorch backend's checkpoint
+    client = await trtserver_client_factory([StandinEngines()], engine="trtllm-standin", engine_dir=str(root),
+                                            max_model_len=256, installed_plugins=False)
+    client.app[STATE].engine._llm.kv_blocks.tokens_per_block = 4
+    words = " ".join(f"w{t}" for t in SYSTEM)
+    usages = []
+    for tail in ("w20 w21 w22", "w30 w31"):
+        response = await client.post("/v1/completions", json={"prompt": f"{words} {tail}", "max_tokens": 2})
+        assert response.status == 200, await response.text()
+        usages.append((await response.json())["usage"])
+    assert usages[0]["prompt_tokens"] == len(FIRST) and usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] == len(SYSTEM)
+    metrics = await (await client.get("/metrics")).text()
+    assert f"trtserver_prefix_cache_hit_tokens_total {float(len(SYSTEM))}" in metrics
