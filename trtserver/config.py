@@ -129,6 +129,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     metrics_exemplars: Annotated[Literal["none", "request_id", "request_id_and_user"], Meta(
         description="what OpenMetrics exemplars on the latency histogram carry: nothing, the request id, or it "
                     "and `user`")] = "none"
+    metrics_port: Annotated[Annotated[int, Meta(ge=1, le=65535)] | None, Meta(
+        description="serve /metrics on a listener of its own at this port (the main port's /metrics then "
+                    "answers 404); default: on the main port")] = None
+    metrics_host: Annotated[str | None, Meta(
+        description="address the --metrics-port listener binds, e.g. an internal interface; default: --host")] = None
     max_json_depth: Annotated[int, Meta(
         ge=2, description="JSON bodies nested deeper than this (objects and arrays) are refused with a 400")] = 64
     header_timeout_s: Annotated[float, Meta(
@@ -146,6 +151,12 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_format: Annotated[Literal["auto", "json", "console"], Meta(
         description="log lines as JSON or for a console; auto = console on a terminal, else JSON")] = "auto"
     log_level: Annotated[str, Meta(description="least severe level logged: debug, info, warning, error")] = "info"
+
+    def __post_init__(self) -> None:
+        if self.metrics_host is not None and self.metrics_port is None:
+            raise ValueError("metrics_host is the address of the --metrics-port listener: set metrics_port too")
+        if self.metrics_port == self.port and (self.metrics_host or self.host) == self.host:
+            raise ValueError(f"metrics_port {self.metrics_port} is the main port; give /metrics another port")
 
     @property
     def prefix_cache_extra_slots(self) -> int:

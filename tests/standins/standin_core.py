@@ -119,6 +119,45 @@ def get(sp: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
+class KvCacheConfigBinding:
+    """The C++ ``executor::KvCacheConfig`` binding that 0.12–0.16 re-export (pybind11: keyword
+    constructor whose signature Python cannot read, ``enable_block_reuse`` a property, default False)."""
+
+    _args = ("enable_block_reuse", "max_tokens", "max_attention_window", "sink_token_length",
+             "free_gpu_memory_fraction", "host_cache_size", "onboard_blocks")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        unknown = [k for k in kwargs if k not in self._args]
+        if unknown or len(args) > len(self._args):
+            raise TypeError("__init__(): incompatible constructor arguments")
+        values = dict(zip(self._args, args, strict=False)) | kwargs
+        self._enable_block_reuse = bool(values.get("enable_block_reuse", False))
+
+    @property
+    def enable_block_reuse(self) -> bool:
+        return self._enable_block_reuse
+
+
+class PrefixBlocks:
+    """The KV-cache blocks a block-reusing executor keeps for later requests: every full block of an
+    earlier prompt, keyed by the prefix it ends. A prompt reuses its longest run of stored full blocks,
+    never its last token (that one is always computed, for the first output token's logits)."""
+
+    def __init__(self, tokens_per_block: int = 32) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.blocks: set[tuple[int, ...]] = set()
+
+    def admit(self, prompt: list[int]) -> int:
+        """Prompt tokens taken from stored blocks; the prompt's own full blocks are stored after."""
+        size = self.tokens_per_block
+        reused = 0
+        while reused + size <= len(prompt) - 1 and tuple(prompt[:reused + size]) in self.blocks:
+            reused += size
+        for end in range(size, len(prompt) + 1, size):
+            self.blocks.add(tuple(prompt[:end]))
+        return reused
+
+
 class Result:
     """Base of RequestOutput / GenerationResult: mutable, async-iterable (streaming), awaitable."""
 
@@ -136,6 +175,10 @@ class Result:
         self._cancel = False
         self._context_logits: Any = None
         self.task: asyncio.Task[None] | None = None
+        self.reused_tokens = 0  # prompt tokens the executor's KV cache served (block reuse)
+
+    def _on_response(self) -> None:
+        """What a version's result copies from each executor response (nothing here)."""
 
     @property
     def context_logits(self) -> Any:
@@ -150,6 +193,7 @@ class Result:
         return self._done
 
     def _push(self, final: bool) -> None:
+        self._on_response()
         if final:
             self._done = True
             self._finished_event.set()
@@ -191,6 +235,9 @@ async def run(result: Result, sp: Any, llm: Any, *, finish_reasons: bool) -> Non
         top_k, floats = None, True  # 1.0's PyTorch sampler: the sampled token's logprob only, as floats
     prompt_lp = get(sp, "prompt_logprobs")
     outs = result.outputs
+    blocks = getattr(llm, "kv_blocks", None)
+    if blocks is not None:  # the context phase: reuse what earlier prompts left, keep this one's blocks
+        result.reused_tokens = blocks.admit(result.prompt_token_ids)
     scores = context_logits(result.prompt_token_ids, vocab_size(llm.config))
     if getattr(sp, "return_context_logits", False):
         result._context_logits = scores

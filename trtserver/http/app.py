@@ -47,7 +47,7 @@ from trtserver.serving import Api, Prepared, Service, tokens
 from trtserver.serving.chat import ChatApi
 from trtserver.serving.completions import CompletionsApi
 
-__all__ = ["STATE", "ServerState", "create_app", "end_requests", "json_response"]
+__all__ = ["STATE", "ServerState", "create_app", "create_metrics_app", "end_requests", "json_response"]
 
 log = structlog.get_logger("trtserver.http.app")
 
@@ -258,6 +258,16 @@ async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
         await state.engine.shutdown()
 
 
+def create_metrics_app(app: web.Application) -> web.Application:
+    """``/metrics`` alone, for the ``metrics_port`` listener: the main app's state (its registry, its
+    metrics keys) behind the same middleware."""
+    metrics_app = web.Application(middlewares=[error_middleware])
+    metrics_app[STATE] = app[STATE]
+    metrics_app.on_response_prepare.append(on_response_prepare)
+    metrics_app.router.add_get("/metrics", metrics_route)
+    return metrics_app
+
+
 def create_app(config: ServerConfig, pm: pluggy.PluginManager | None = None) -> web.Application:
     if pm is None:
         pm = new_plugin_manager()
@@ -277,7 +287,8 @@ def create_app(config: ServerConfig, pm: pluggy.PluginManager | None = None) -> 
     app.router.add_post("/detokenize", detokenize_route)
     app.router.add_get("/version", version_route)
     app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics_route)
+    if config.metrics_port is None:  # else on a listener of its own (create_metrics_app)
+        app.router.add_get("/metrics", metrics_route)
     app.router.add_get("/openapi.json", openapi_route)
     app.cleanup_ctx.append(_engine_lifecycle)
     pm.hook.trtserver_app_created(app=app, config=config)

@@ -159,6 +159,8 @@ def _authenticate(request: web.Request) -> None:
     config = request.app[STATE].config
     api_keys = config.api_keys + config.no_limit_api_keys
     if request.path == "/metrics":
+        if request.match_info.http_exception is not None:  # served on the metrics_port listener: a 404 here
+            return
         if not (config.metrics_api_keys or config.metrics_need_api_key):
             return
         keys = config.metrics_api_keys + (api_keys if config.metrics_need_api_key else [])

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from trtserver.config import ServerConfig
 from trtserver.engine.base import Engine
-from trtserver.http.app import STATE, end_requests
+from trtserver.http.app import STATE, create_metrics_app, end_requests
 from trtserver.http.connection import GuardedAppRunner
 
 log = structlog.get_logger("trtserver")
@@ -58,14 +58,41 @@ def _pin_if_bound(engine: Engine) -> None:
         pin_event_loop(asyncio.get_running_loop())
 
 
+def _runner(app: web.Application, config: ServerConfig) -> GuardedAppRunner:
+    return GuardedAppRunner(app, header_timeout_s=config.header_timeout_s, handler_cancellation=True,
+                            access_log=None, shutdown_timeout=1.0, keepalive_timeout=config.keepalive_timeout_s,
+                            lingering_time=LINGERING_S)
+
+
+async def start_metrics_listener(app: web.Application, config: ServerConfig) -> web.AppRunner | None:
+    """``/metrics`` on ``metrics_host:metrics_port`` (an internal interface, say); None when unset."""
+    if config.metrics_port is None:
+        return None
+    runner = _runner(create_metrics_app(app), config)
+    await runner.setup()
+    host = config.metrics_host or config.host
+    try:
+        await web.TCPSite(runner, host, config.metrics_port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    print(f"trtserver metrics on http://{host}:{config.metrics_port}/metrics", file=sys.stderr)
+    return runner
+
+
 async def run_server(app: web.Application, config: ServerConfig) -> int:
     app[STATE].engine_started = _pin_if_bound  # before it reports ready (the loading begins in setup)
-    runner = GuardedAppRunner(app, header_timeout_s=config.header_timeout_s, handler_cancellation=True,
-                              access_log=None, shutdown_timeout=1.0, keepalive_timeout=config.keepalive_timeout_s,
-                              lingering_time=LINGERING_S)
+    runner = _runner(app, config)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
+    try:
+        metrics_runner = await start_metrics_listener(app, config)
+    except OSError as exc:  # the port is taken, the address is not this machine's
+        print(f"trtserver: cannot listen for /metrics on {config.metrics_host or config.host}:"
+              f"{config.metrics_port}: {exc}", file=sys.stderr)
+        await runner.cleanup()
+        return 1
     loop = asyncio.get_running_loop()
     print(f"trtserver listening on http://{config.host}:{config.port} "
           f"(event loop: {type(loop).__module__.split('.')[0]})", file=sys.stderr)
@@ -86,5 +113,7 @@ async def run_server(app: web.Application, config: ServerConfig) -> int:
         log.info("shutting_down", grace_s=config.shutdown_grace_s)
         await drain(app, config.shutdown_grace_s)
     stop_task.cancel()
+    if metrics_runner is not None:
+        await metrics_runner.cleanup()
     await runner.cleanup()
     return code

@@ -40,6 +40,7 @@ from trtserver.engine.trtllm.version import (
     class_fields,
     detect,
     guided_params_class,
+    kv_cache_config_class,
     llm_class,
     lora_request_class,
     request_error_class,
@@ -116,6 +117,8 @@ class TrtllmEngine(EngineBase):
         self._active: dict[str, _Active] = {}
         self._pumps: set[asyncio.Task[None]] = set()
         self._lora_ids: dict[str, int] = {}
+        self._cache_hit_tokens = 0  # prompt tokens whose K/V blocks TensorRT-LLM reused, since start
+        self._cache_miss_tokens = 0
 
     @cached_property
     def trtllm(self) -> ModuleType:
@@ -131,7 +134,8 @@ class TrtllmEngine(EngineBase):
             gather_generation_logits=gather and features.llm_accepts("gather_generation_logits"),
             guided_backend=self._guided_backend(features),
             lora_enabled=self.config.adapters_dir is not None and features.lora,
-            pytorch_beam_width=self.config.trtllm_max_beam_width)
+            pytorch_beam_width=self.config.trtllm_max_beam_width,
+            block_reuse=self._block_reuse(features))
 
     @cached_property
     def _info(self) -> EngineInfo:
@@ -169,7 +173,7 @@ class TrtllmEngine(EngineBase):
         self._info  # noqa: B018 - probed here, off the event loop
         model = str(self.trt_engine_dir or self.engine_path)
         kwargs = llm_kwargs(self.features, tokenizer_dir=str(self.tokenizer_dir), tp=self.tp, pp=self.pp,
-                            lora=self._lora_llm_kwargs())
+                            lora=self._lora_llm_kwargs(), kv_cache_config=self._kv_cache_config())
         return cls(model=model, **kwargs)
 
     async def shutdown(self) -> None:
@@ -205,7 +209,9 @@ class TrtllmEngine(EngineBase):
         active.queue.put_nowait(_ABORT)
 
     def stats(self) -> EngineStats:
-        return EngineStats(running=len(self._active), slots_total=self.features.build.max_batch_size)
+        return EngineStats(running=len(self._active), slots_total=self.features.build.max_batch_size,
+                           prefix_cache_hit_tokens=self._cache_hit_tokens,
+                           prefix_cache_miss_tokens=self._cache_miss_tokens)
 
     # --- internals ---------------------------------------------------------------------------
 
@@ -225,6 +231,24 @@ class TrtllmEngine(EngineBase):
             log.warning("trtllm_guided_backend_not_passed", backend=wanted, reason="it is not importable")
             return None
         return str(wanted)
+
+    def _block_reuse(self, f: ApiFeatures) -> bool:
+        """Ask for KV-cache block reuse: the server's prefix_cache, where KvCacheConfig has the setting
+        and, on a TensorRT engine, the engine was not built without paged context attention."""
+        if not self.config.prefix_cache or not f.block_reuse_setting:
+            return False
+        if f.trt_backend and f.build.paged_context_fmha is False:
+            log.info("trtllm_block_reuse_off", reason="the engine was built without use_paged_context_fmha")
+            return False
+        return True
+
+    def _kv_cache_config(self) -> Any:
+        """``KvCacheConfig(enable_block_reuse=...)`` set either way: the default differs by version."""
+        if not self.features.block_reuse_setting:
+            return None
+        cls = kv_cache_config_class(self.trtllm)
+        assert cls is not None
+        return cls(enable_block_reuse=self.features.block_reuse)
 
     def _make_info(self) -> EngineInfo:
         f = self.features
@@ -251,6 +275,7 @@ class TrtllmEngine(EngineBase):
             priority=f.priority,
             adapters=f.lora_enabled,
             max_logprobs=max_logprobs,
+            prefix_caching=f.block_reuse and f.reports_cached_tokens,
         )
         fingerprint: dict[str, Any] = {"trtllm_version": f.version, "trtllm_generation": f.generation.value,
                                        "weights_sha256": self.manifest.weights_sha256}
@@ -373,7 +398,8 @@ class TrtllmEngine(EngineBase):
         translator = StreamTranslator(request, eos_ids=self._tokenizer.eos_token_ids,
                                       our_stop_ids=prep.our_stop_ids, max_tokens=prep.max_tokens,
                                       has_finish_reason=self.features.finish_reason,
-                                      vocab_size=self.model_vocab_size, logits_logprobs=prep.logits_logprobs)
+                                      vocab_size=self.model_vocab_size, logits_logprobs=prep.logits_logprobs,
+                                      cached_tokens=self._info.capabilities.prefix_caching)
         active = _Active(request=request, queue=asyncio.Queue(), abortable=prep.abortable)
         try:
             output = self._llm.generate_async(list(request.prompt_token_ids), sampling_params=params,
@@ -407,6 +433,9 @@ class TrtllmEngine(EngineBase):
             if not translator.finished or not getattr(active.output, "finished", True):
                 self._cancel(active)  # the client left, or we ended it (our stop ids) before TRT-LLM did
             self._active.pop(request.request_id, None)
+            if translator.reports_cached and translator.responded:
+                self._cache_hit_tokens += translator.cached_tokens
+                self._cache_miss_tokens += len(request.prompt_token_ids) - translator.cached_tokens
 
     @staticmethod
     async def _pump(output: Any, queue: asyncio.Queue[Any], streaming: bool) -> None:

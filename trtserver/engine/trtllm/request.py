@@ -175,9 +175,11 @@ def guided_kwargs(request: GenerationRequest, f: ApiFeatures) -> dict[str, Any] 
 
 
 def llm_kwargs(f: ApiFeatures, *, tokenizer_dir: str, tp: int, pp: int,
-               lora: dict[str, Any] | None) -> dict[str, Any]:
+               lora: dict[str, Any] | None, kv_cache_config: Any = None) -> dict[str, Any]:
     """Constructor keywords besides ``model`` (TRT-LLM forbids unknown ones)."""
     kw: dict[str, Any] = {"tokenizer": tokenizer_dir}
+    if kv_cache_config is not None:
+        kw["kv_cache_config"] = kv_cache_config
     if f.generation is Generation.V1_PYTORCH:
         if tp > 1:
             kw["tensor_parallel_size"] = tp

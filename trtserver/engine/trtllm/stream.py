@@ -45,8 +45,12 @@ class StreamTranslator:
 
     def __init__(self, request: GenerationRequest, *, eos_ids: Sequence[int], our_stop_ids: frozenset[int],
                  max_tokens: int, has_finish_reason: bool, vocab_size: int = 0,
-                 logits_logprobs: bool = False) -> None:
+                 logits_logprobs: bool = False, cached_tokens: bool = False) -> None:
         self.request = request
+        self.reports_cached = cached_tokens
+        self.cached_tokens = 0
+        """``RequestOutput.cached_tokens`` as last read: the prompt tokens whose K/V blocks were reused."""
+        self.responded = False
         self.logits_logprobs = logits_logprobs
         self.vocab_size = vocab_size
         self.eos_ids = frozenset(eos_ids)
@@ -68,6 +72,9 @@ class StreamTranslator:
 
     def step(self, output: Any) -> list[SequenceOutput]:
         final = bool(getattr(output, "finished", False))
+        self.responded = True
+        if self.reports_cached:
+            self.cached_tokens = int(getattr(output, "cached_tokens", 0) or 0)
         if self.beam and not final:
             return []
         prompt_rows = None
@@ -87,6 +94,8 @@ class StreamTranslator:
             for index, done in enumerate(self.done):
                 if not done:
                     deltas.append(self.finish(index, "abort"))
+        for delta in deltas:
+            delta.num_cached_tokens = self.cached_tokens
         return deltas
 
     def finish(self, index: int, reason: FinishReason) -> SequenceOutput:

@@ -90,6 +90,8 @@ class BuildFacts:
     lora_target_modules: tuple[str, ...] = ()
     lora_modules_to_hf: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int = 0
+    paged_context_fmha: bool | None = None
+    """``plugin_config.use_paged_context_fmha``: KV-cache block reuse needs it; None where not recorded."""
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> BuildFacts:
@@ -112,6 +114,8 @@ class BuildFacts:
             lora_modules_to_hf=tuple((str(k), str(v)) for k, v in
                                      (lora.get("trtllm_modules_to_hf_modules") or {}).items()),
             max_lora_rank=int(lora.get("max_lora_rank") or 0),
+            paged_context_fmha=(None if plugin.get("use_paged_context_fmha") is None
+                                else plugin.get("use_paged_context_fmha") not in (False, "disable")),
         )
 
 
@@ -128,12 +132,16 @@ class ApiFeatures:
     build: BuildFacts = BuildFacts()
     llm_args: frozenset[str] | None = None
     """The LLM constructor's keywords (its LlmArgs fields); None where they could not be read."""
+    block_reuse_setting: bool = False
+    """``LLM(kv_cache_config=KvCacheConfig(enable_block_reuse=...))`` can be passed."""
     # start-time choices (ours), filled in by the engine
     gather_generation_logits: bool = False
     guided_backend: str | None = None
     lora_enabled: bool = False
     pytorch_beam_width: int = 1
     """The PyTorch backend's LLM(max_beam_width=...), from the server option (1: no beam search)."""
+    block_reuse: bool = False
+    """KV-cache block reuse is asked for (the server's prefix_cache, where this version and engine allow)."""
 
     @property
     def release(self) -> tuple[int, int, int]:
@@ -170,6 +178,13 @@ class ApiFeatures:
     @property
     def lora(self) -> bool:
         return "lora_request" in self.generate_params
+
+    @property
+    def reports_cached_tokens(self) -> bool:
+        """``RequestOutput.cached_tokens`` holds the reused prompt tokens: 1.1+ on the PyTorch backend,
+        whose ``LlmResult`` carries the count; the TensorRT backend's C++ ``Result`` has no such field,
+        so there it stays 0."""
+        return not self.trt_backend and self.release >= (1, 1, 0)
 
     @property
     def finish_reason(self) -> bool:
@@ -268,6 +283,31 @@ def lora_request_class(module: ModuleType) -> type | None:
         return None
 
 
+def kv_cache_config_class(module: ModuleType) -> type | None:
+    """``KvCacheConfig``: a pydantic model in 1.x ``llmapi.llm_args``, the C++ binding re-exported by
+    ``llmapi`` (0.15+) or ``hlapi`` (0.12–0.14) before."""
+    root = module.__name__
+    try:
+        return _first_attr(module, [f"{root}.llmapi:KvCacheConfig",  # type: ignore[no-any-return]
+                                    f"{root}.hlapi:KvCacheConfig", f"{root}:KvCacheConfig"])
+    except TrtllmVersionError:
+        return None
+
+
+def has_setting(cls: type, name: str) -> bool:
+    """``cls(name=...)`` is accepted: a pydantic field, a dataclass field, a keyword of a plain class,
+    or a property of a C++ binding (whose constructor signature cannot be read)."""
+    model_fields = getattr(cls, "model_fields", None)
+    if isinstance(model_fields, dict):
+        return name in model_fields
+    try:
+        if name in class_fields(cls):
+            return True
+    except (TypeError, ValueError):
+        pass
+    return hasattr(cls, name)
+
+
 def request_error_class(module: ModuleType) -> type[BaseException] | None:
     """``RequestError(RuntimeError)``: what the executor raises for one request it cannot take."""
     root = module.__name__
@@ -307,6 +347,10 @@ def detect(module: ModuleType, *, has_engine: bool, build: BuildFacts | None = N
     # RequestOutput.abort() is 0.19+ ("LLM API … Added abort request support"); the Jetson branch has none
     has_abort = release >= (0, 19, 0) and generation is not Generation.JETSON
     has_guided = "guided_decoding" in sp_fields and guided_params_class(module) is not None
+    llm_args = llm_arg_fields(module, generation)
+    kv_cls = kv_cache_config_class(module)
+    reuse_setting = (kv_cls is not None and has_setting(kv_cls, "enable_block_reuse")
+                     and (llm_args is None or "kv_cache_config" in llm_args))
     return ApiFeatures(version=version, generation=generation, sampling_fields=sp_fields,
                        generate_params=gen_params, has_abort=has_abort, has_guided_params=has_guided,
-                       build=build or BuildFacts(), llm_args=llm_arg_fields(module, generation))
+                       build=build or BuildFacts(), llm_args=llm_args, block_reuse_setting=reuse_setting)

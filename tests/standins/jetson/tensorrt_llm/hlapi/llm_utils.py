@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from standin_core import KvCacheConfigBinding as KvCacheConfig  # the C++ binding, re-exported
+
+__all__ = ["KvCacheConfig", "LlmArgs"]
+
 
 @dataclass
 class LlmArgs:

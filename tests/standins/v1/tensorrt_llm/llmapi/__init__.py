@@ -1,4 +1,4 @@
-from tensorrt_llm.llmapi.llm import LLM, RequestOutput
+from tensorrt_llm.llmapi.llm import LLM, KvCacheConfig, RequestOutput
 from tensorrt_llm.sampling_params import GuidedDecodingParams, SamplingParams
 
-__all__ = ["LLM", "RequestOutput", "GuidedDecodingParams", "SamplingParams"]
+__all__ = ["LLM", "KvCacheConfig", "RequestOutput", "GuidedDecodingParams", "SamplingParams"]

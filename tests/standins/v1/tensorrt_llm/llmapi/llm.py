@@ -66,6 +66,23 @@ class TrtLlmArgs:
     model_fields: dict[str, Any] = dict.fromkeys(COMMON | TRT_ONLY)
 
 
+class KvCacheConfig:
+    """``llm_args.KvCacheConfig(StrictBaseModel)``: ``enable_block_reuse`` defaults to True; an unknown
+    name fails validation (pydantic's ValidationError is a ValueError)."""
+
+    model_fields: dict[str, Any] = dict.fromkeys((
+        "enable_block_reuse", "max_tokens", "max_attention_window", "sink_token_length",
+        "free_gpu_memory_fraction", "host_cache_size", "onboard_blocks", "cross_kv_cache_fraction",
+        "secondary_offload_min_priority", "event_buffer_max_size", "enable_partial_reuse",
+        "copy_on_partial_reuse", "dtype"))
+
+    def __init__(self, **kwargs: Any) -> None:
+        for key in kwargs:
+            if key not in self.model_fields:
+                raise ValueError(f"1 validation error for KvCacheConfig\n{key}\n  Extra inputs are not permitted")
+        self.enable_block_reuse = bool(kwargs.get("enable_block_reuse", True))
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -93,6 +110,15 @@ class RequestOutput(core.Result):
         super().__init__(*args, **kwargs)
         self._llm = llm
         self._gathered_logprobs = gathered_logprobs
+        if core.release(llm) >= (1, 1):
+            self.cached_tokens = 0  # GenerationResultBase.__init__ (1.1+)
+
+    def _on_response(self) -> None:
+        """``self.cached_tokens = getattr(response_result, 'cached_tokens', 0)`` (1.1+): the PyTorch
+        backend's LlmResult carries the reused count; the C++ Result of the TensorRT backend has no
+        such field, so there it is 0."""
+        if hasattr(self, "cached_tokens"):
+            self.cached_tokens = 0 if self._llm.trt else self.reused_tokens
 
     def abort(self) -> None:
         if self._streaming and self._gathered_logprobs and not self._done:
@@ -137,6 +163,8 @@ class BaseLLM:
         self.shut = False
         self.script: list[int] | None = None
         self.max_queue_size: int | None = None
+        kv = kwargs.get("kv_cache_config")
+        self.kv_blocks = core.PrefixBlocks() if (kv is None or kv.enable_block_reuse) else None
 
     def generate_async(
         self,

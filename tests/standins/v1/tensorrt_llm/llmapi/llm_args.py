@@ -1,3 +1,3 @@
-from tensorrt_llm.llmapi.llm import TorchLlmArgs, TrtLlmArgs
+from tensorrt_llm.llmapi.llm import KvCacheConfig, TorchLlmArgs, TrtLlmArgs
 
-__all__ = ["TorchLlmArgs", "TrtLlmArgs"]
+__all__ = ["KvCacheConfig", "TorchLlmArgs", "TrtLlmArgs"]
