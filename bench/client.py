@@ -158,6 +158,11 @@ async def completion_usage(base_url: str, model: str, prompt: str, max_tokens: i
 _counter = itertools.count()
 
 
+def with_question(prompt: str) -> str:
+    """The prompt, then a short tail of its own: requests share the prompt as a prefix."""
+    return f"{prompt}Question {next(_counter):05d}: what happens next?\n\nAnswer:"
+
+
 def unique(prompt: str) -> str:
     """The prompt behind a per-request tag, so no server can reuse a previous request's KV cache for it
     (llama-cpp-python keeps the last prompt's cache and reuses the longest common prefix)."""
@@ -166,15 +171,16 @@ def unique(prompt: str) -> str:
 
 async def run_load(base_url: str, model: str, prompt: str, max_tokens: int, streams: int, per_stream: int,
                    *, extra: dict[str, Any] | None = None, timeout_s: float = 600.0,
-                   fresh_prompts: bool = True) -> LoadResult:
-    """``streams`` closed-loop workers, each sending ``per_stream`` requests back to back (bounded)."""
+                   fresh_prompts: bool = True, shared_prefix: bool = False) -> LoadResult:
+    """``streams`` closed-loop workers, each sending ``per_stream`` requests back to back (bounded).
+    ``shared_prefix``: every request is ``prompt`` plus a tail of its own (``with_question``)."""
     connector = aiohttp.TCPConnector(limit=streams + 4)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
 
         async def worker() -> list[StreamResult]:
             out = []
             for _ in range(per_stream):
-                text = unique(prompt) if fresh_prompts else prompt
+                text = with_question(prompt) if shared_prefix else unique(prompt) if fresh_prompts else prompt
                 out.append(await stream_completion(http, base_url, model, text, max_tokens, extra=extra,
                                                    timeout_s=timeout_s))
             return out

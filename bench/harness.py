@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-dir", type=Path, default=DEFAULT_ENGINE)
     ap.add_argument("--gguf", type=Path, default=None, help="default: the cached GGUF of the default model")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--scenarios", nargs="*", default=None, metavar="TEXT",
+                    help="run only the scenarios whose names contain one of these (e.g. prefill)")
     ap.add_argument("--peer-threads", type=int, default=1, help="llama-cpp-python server --n_threads")
     ap.add_argument("--ours-dtype", default="auto",
                     help="--dtype for our server and the in-process run (auto: each picks by itself, as served)")
@@ -224,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# {kind}{' (quick)' if args.quick else ''}: {stamp}", "",
              f"- hardware: {machine_line(args)}",
              f"- model: {engine_dir.name}" + (f"; the peer serves the same weights from `{gguf.name}`" if gguf else ""),
-             f"- request mix: {args.tokens} tokens per request, temperature 0; {mix}",
+             f"- request mix: {args.tokens} tokens per request (8 in the prefill scenarios), temperature 0; {mix}",
              f"- command: `{cmd.strip()}` (took {(time.monotonic() - t_start) / 60:.1f} min)",
              f"- code: {revision}",
              "- load average (1/5/15 min) at start {:.1f}/{:.1f}/{:.1f}, at end {:.1f}/{:.1f}/{:.1f} "

@@ -18,3 +18,6 @@ LONG = (
     "the harbour to ask the fishermen whether anyone had gone out, but every boat was tied up and every captain "
     "was accounted for. That evening the light came back.\n\nChapter 1\n\n"
 )
+
+DOCUMENT = LONG * 4
+"""~930 tokens: the prefill scenarios' prompt. Shared-prefix requests put their distinct tail after it."""

@@ -14,7 +14,7 @@ from typing import Any
 from bench import peers
 from bench.client import completion_usage, run_load
 from bench.profiling import py_spy, summarize_profile
-from bench.prompts import LONG, SHORT
+from bench.prompts import DOCUMENT, LONG, SHORT
 from bench.report import ServerRun
 
 
@@ -24,17 +24,22 @@ class Scenario:
     prompt: str
     streams: int
     per_stream: int
+    tokens: int | None = None  # None: --tokens
+    shared_prefix: bool = False  # requests share ``prompt`` and differ in a short tail (the first fills the cache)
 
 
 def scenarios(args: argparse.Namespace) -> list[Scenario]:
     q = args.quick
     if args.device != "cpu":
-        return [Scenario("1 stream", SHORT, 1, 2 if q else 5), Scenario("16 streams", SHORT, 16, 1 if q else 3),
-                Scenario("64 streams", SHORT, 64, 1 if q else 2)]
+        out = [Scenario("1 stream", SHORT, 1, 2 if q else 5), Scenario("16 streams", SHORT, 16, 1 if q else 3),
+               Scenario("64 streams", SHORT, 64, 1 if q else 2)]
+        return [sc for sc in out if not args.scenarios or any(part in sc.name for part in args.scenarios)]
     out = [Scenario("1 stream, short prompt", SHORT, 1, 2 if q else 4),
            Scenario("1 stream, ~230-token prompt", LONG, 1, 1 if q else 3)]
     out += [Scenario("4 streams", SHORT, 4, 1 if q else 2), Scenario("16 streams", SHORT, 16, 1 if q else 2)]
-    return out
+    out += [Scenario("prefill, ~930-token unique prompt", DOCUMENT, 1, 2 if q else 3, tokens=8),
+            Scenario("prefill, ~930-token shared prefix", DOCUMENT, 1, 3 if q else 5, tokens=8, shared_prefix=True)]
+    return [sc for sc in out if not args.scenarios or any(part in sc.name for part in args.scenarios)]
 
 
 class RssSampler:
@@ -131,16 +136,17 @@ async def run_scenario(server: peers.Server, run: ServerRun, sc: Scenario, model
                        args: argparse.Namespace) -> None:
     cpu0, main0 = server.cpu_seconds(), server.main_thread_cpu_seconds()
     with RssSampler(server):
-        load = await run_load(server.base_url, model, sc.prompt, args.tokens, sc.streams, sc.per_stream,
-                              extra=extra, timeout_s=args.request_timeout)
+        tokens = sc.tokens or args.tokens
+        load = await run_load(server.base_url, model, sc.prompt, tokens, sc.streams, sc.per_stream,
+                              extra=extra, timeout_s=args.request_timeout, shared_prefix=sc.shared_prefix)
     run.loads[sc.name] = load
     run.cpu_s[sc.name] = server.cpu_seconds() - cpu0
     run.main_cpu_s[sc.name] = server.main_thread_cpu_seconds() - main0
-    short = [r.tokens for r in load.ok if r.tokens != args.tokens]
+    short = [r.tokens for r in load.ok if r.tokens != tokens]
     if load.failures or short:
         errors = {r.error for r in load.results if not r.ok}
         run.notes.append(f"{server.name} '{sc.name}': {load.failures} failed {sorted(errors)[:2]}, "
-                         f"{len(short)} streams not {args.tokens} tokens ({short[:5]})")
+                         f"{len(short)} streams not {tokens} tokens ({short[:5]})")
     print(f"[bench] {server.name:9s} {sc.name:28s} agg {load.agg_tps:7.1f} tok/s  per-stream "
           f"{load.per_stream_tps:6.1f} tok/s  ttft p50 {1000 * load.pct('ttft_s', 50):7.0f} ms  "
           f"lat p50 {load.pct('latency_s', 50):6.2f} s p99 {load.pct('latency_s', 99):6.2f} s  "
