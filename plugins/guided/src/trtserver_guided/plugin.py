@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from trtserver.errors import InvalidRequest, Overloaded
 from trtserver.hookspecs import hookimpl
+from trtserver.plugins import guided_backend_key
 
 from trtserver_guided import worker
 
@@ -108,7 +109,7 @@ def backends() -> dict[str, GuidedBackend]:
 def guided_decoder(spec: GuideSpec, backend: str, context: GuideContext) -> GuidedDecoder:
     """What the backend this plugin registers as ``backend`` compiles for ``spec``, as the server
     gets it; ``KeyError`` when this plugin registers no such name (not installed, or unknown)."""
-    return backends()[backend.strip().lower()](spec, context)
+    return backends()[guided_backend_key(backend)](spec, context)
 
 
 @hookimpl
