@@ -34,7 +34,13 @@ class Setting:
         """The ``serve`` flag, or None for tables that only the TOML file can hold."""
         if self.name == "engine_dir":
             return "ENGINE_DIR"
+        if self.name == "plugins":
+            return PLUGIN_FLAG
         return None if "dict" in str(self.kind) else "--" + self.name.replace("_", "-")
+
+
+# the one flag for the ``plugins`` setting: repeatable, one module or file each, added to the file's list
+PLUGIN_FLAG = "--plugin"
 
 
 def _strip(kind: Any) -> tuple[Any, str]:
@@ -70,8 +76,6 @@ def _help(setting: Setting) -> str:
 def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per ServerConfig field, from the struct itself, so the two never drift."""
     parser.add_argument("--config", help="TOML file with a [server] table; flags override it")
-    parser.add_argument("--plugin", action="append", dest="plugin_specs", default=None, metavar="MODULE_OR_PATH",
-                        help="load this plugin module or .py file too (repeatable)")
     for setting in settings():
         flag, kind, help_text = setting.flag, setting.kind, _help(setting)
         text = str(kind)
@@ -79,6 +83,9 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             continue  # tables (quotas) come from the TOML file only
         if flag == "ENGINE_DIR":
             parser.add_argument("engine_dir", help=help_text)
+        elif flag == PLUGIN_FLAG:
+            parser.add_argument(flag, action="append", dest=setting.name, default=None, metavar="MODULE_OR_PATH",
+                                help=help_text + "; each --plugin adds one to the config file's list (repeatable)")
         elif kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif typing.get_origin(kind) is typing.Literal:  # before the "int" test: Literal["int8", ...]
@@ -97,11 +104,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     values: dict[str, object] = load_config_file(args.config) if args.config else {}
     for field in msgspec.structs.fields(ServerConfig):
         value = getattr(args, field.name, None)
-        if value is not None:
-            values[field.name] = value
-    if getattr(args, "plugin_specs", None):
-        from_file = values.get("plugins")
-        values["plugins"] = [*(from_file if isinstance(from_file, list) else []), *args.plugin_specs]
+        if value is None:
+            continue
+        if field.name == "plugins":  # --plugin adds to the file's list
+            from_file = values.get("plugins")
+            value = [*(from_file if isinstance(from_file, list) else []), *value]
+        values[field.name] = value
     return build_config(values)
 
 
@@ -148,15 +156,18 @@ def plugins_command(args: argparse.Namespace) -> int:
     pm = new_plugin_manager()
     try:
         load_plugins(pm, extra=args.plugin or [], allowlist=allowlist_from_env())
+        infos = list_plugins(pm)  # a name two plugins register stops here, as it stops serve
     except PluginLoadError as exc:
         print(f"trtserver: {exc}", file=sys.stderr)
         return 3
-    infos = list_plugins(pm)
     if args.json:
         print(msgspec.json.encode(infos).decode())
         return 0
+    width = max([32, *(len(info.name) + 1 for info in infos)])
     for info in infos:
-        print(f"{info.name:32} {info.version or '-':10} {info.source:12} {', '.join(info.hooks)}")
+        print(f"{info.name:{width}} {info.version or '-':10} {info.source:12} {', '.join(info.hooks)}")
+        for registry, names in info.registers.items():
+            print(f"    {registry.replace('_', ' ')}: {', '.join(names)}")
     return 0
 
 
@@ -187,7 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_build_arguments(build_parser)
     build_parser.set_defaults(func=build)
 
-    plugins_parser = commands.add_parser("plugins", help="list loaded plugins and their hooks")
+    plugins_parser = commands.add_parser("plugins", help="list loaded plugins, their hooks and what they register "
+                                                         "(engines, tool-call parsers, guided-decoding backends)")
     plugins_parser.add_argument("--plugin", action="append", help="also load this module or file")
     plugins_parser.add_argument("--json", action="store_true")
     plugins_parser.set_defaults(func=plugins_command)

@@ -2,7 +2,8 @@
 
 ``guide_spec_from_request`` reads every way a client can ask for constrained output (vLLM's
 ``guided_*`` fields, the newer ``structured_outputs`` object and ``response_format``) and returns
-one ``GuideSpec``. Backends receive the spec through the ``trtserver_guided_decoder`` hook.
+one ``GuideSpec``, which the backend the request names (registered through
+``trtserver_register_guided_backends``) compiles.
 """
 
 from __future__ import annotations

@@ -10,12 +10,13 @@ Hooks are synchronous. The two request hooks that may need I/O (``trtserver_requ
 and ``trtserver_response_ready``) may instead return an awaitable, which is awaited.
 
 Hooks run in the server process. On the PyTorch engine the model runs in a process of its own
-(``--engine-process``, the default), so the per-step objects that ``trtserver_guided_decoder``
-and ``trtserver_logits_processors`` return travel there with each request, pickled by
-cloudpickle: closures, lambdas and the classes of a ``--plugin file.py`` travel by value, other
-classes by import name, and the served model's ``Tokenizer`` as a reference to that process's
-own copy. Keep them small (a compiled guide may cross as its recipe: define ``__reduce__``),
-and hold no locks, sockets or open files. State they change there is not seen here.
+(``--engine-process``, the default), so the per-step objects that guided backends
+(``trtserver_register_guided_backends``) and ``trtserver_logits_processors`` return travel
+there with each request, pickled by cloudpickle: closures, lambdas and the classes of a
+``--plugin file.py`` travel by value, other classes by import name, and the served model's
+``Tokenizer`` as a reference to that process's own copy. Keep them small (a compiled guide
+may cross as its recipe: define ``__reduce__``), and hold no locks, sockets or open files.
+State they change there is not seen here.
 """
 
 from __future__ import annotations
@@ -148,6 +149,36 @@ def trtserver_register_tool_parsers(
     """
 
 
+@hookspec
+def trtserver_register_guided_backends(
+    register: Callable[[str, Callable[[GuideSpec, GuideContext], GuidedDecoder]], None],
+) -> None:
+    """Add guided-decoding backends that a request's ``guided_decoding_backend`` (or
+    ``structured_outputs.backend``) can name; a request that names none gets ``xgrammar``.
+
+    :param register: call ``register(name, factory)`` once per backend name (an alias is one
+        more name for the same factory). Names match whatever their case. For each request that
+        asks for guided output, the server calls ``factory(spec, context)``: ``spec`` says what to
+        constrain to (``spec.kind`` in json, json_object, regex, choice, grammar), ``context``
+        holds the tokenizer, the logits width and EOS ids of the served model and the compile
+        time limit. It returns a ``GuidedDecoder`` whose ``new_state()`` gives each sequence a
+        ``TokenConstraint`` (per step: ``fill_bitmask``, ``accept_token``, ``is_terminated``), or
+        raises ``trtserver.errors.InvalidRequest`` when it cannot compile this spec (the client
+        gets a 400 naming the field). The factory runs in a worker thread, never on the event
+        loop, and should cache what it compiles (the same spec arrives again and again). With the
+        engine in its own process the decoder is pickled to it with each request (see the top of
+        this page); the ``trtserver-guided`` backends' decoders cross as their recipe and compile
+        once more there, on first use.
+    :returns: nothing; the return value is ignored.
+
+    Fires once at start-up. A name registered twice, by one plugin or two, stops start-up with an
+    error naming both plugins. A request naming a backend nobody registered gets a 400 with
+    ``param`` ``guided_decoding_backend``. The ``trtserver-guided`` plugin registers
+    ``xgrammar``, ``llguidance``, ``outlines``, ``lm-format-enforcer`` (with their aliases, and
+    ``auto``), each only when its library is installed.
+    """
+
+
 # --- per request ----------------------------------------------------------------------------
 
 
@@ -165,28 +196,6 @@ def trtserver_request_received(
         -> 403, ``RateLimited`` -> 429...): the client gets that error in the OpenAI envelope.
 
     Fires once per request, after validation and the model check, before tokenization.
-    """
-
-
-@hookspec(firstresult=True)
-def trtserver_guided_decoder(spec: GuideSpec, backend: str, context: GuideContext) -> GuidedDecoder | None:
-    """Compile a guide (JSON schema, regex, choice, grammar) for a guided-decoding backend.
-
-    :param spec: what to constrain to; ``spec.kind`` in json, json_object, regex, choice, grammar.
-    :param backend: the backend the request asked for (``xgrammar`` when it named none).
-        Implementations answer only for their own backend name and return None otherwise.
-    :param context: the tokenizer, the logits width and EOS ids of the served model, and the
-        compile time limit.
-    :returns: a ``GuidedDecoder`` whose ``new_state()`` gives each sequence a ``TokenConstraint``
-        (per step: ``fill_bitmask``, ``accept_token``, ``is_terminated``), or None when this
-        plugin does not own ``backend``. Raise ``trtserver.errors.InvalidRequest`` when the
-        backend owns the name but cannot compile this spec (the client gets a 400 naming it).
-        firstresult. Runs in a worker thread, never on the event loop; results should be cached
-        by the plugin (the same spec arrives again and again). With the engine in its own process
-        the decoder is pickled to it with each request (see the top of this page); the built-in
-        backends' decoders cross as their recipe and compile once more there, on first use.
-
-    Fires once per request that asks for guided output.
     """
 
 

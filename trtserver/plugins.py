@@ -2,7 +2,8 @@
 
 ``TRTSERVER_LOAD_PLUGINS`` (or ``plugin_allowlist``) restricts what loads: a comma-separated list
 of plugin names; an empty string loads none but trtserver's own core. A plugin that fails to
-import or register stops start-up with an error naming it.
+import or register, or that registers a name (``REGISTRIES``: engines, tool-call parsers, guided
+backends) another plugin registers too, stops start-up with an error naming it.
 
 Each plugin's settings are its own ``[plugins.<name>]`` table of the TOML file:
 ``config.plugin_config(name)`` as a dict, or ``plugin_settings(config, name, Struct)`` validated.
@@ -18,8 +19,8 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -40,8 +41,29 @@ ENTRY_POINT_GROUP = "trtserver"
 ALLOWLIST_ENV = "TRTSERVER_LOAD_PLUGINS"
 
 # modules inside trtserver itself that implement hooks (the engines every server has, default plugins)
-CORE_PLUGINS: tuple[str, ...] = ("trtserver.builtins.engines", "trtserver.quota",
+CORE_PLUGINS: tuple[str, ...] = ("trtserver.builtins.engines", "trtserver.builtins.quota_store",
                                  "trtserver.builtins.hermes_tool_parser", "trtserver.builtins.bad_words")
+
+
+def guided_backend_key(name: str) -> str:
+    """Guided-decoding backend names match whatever their case and surrounding spaces."""
+    return name.strip().lower()
+
+
+@dataclass(frozen=True, slots=True)
+class Registry:
+    """A start-up hook through which plugins register things by name."""
+
+    hook: str
+    what: str  # what one registered thing is called, in errors
+    normalize: Callable[[str], str] | None = None
+
+
+REGISTRIES: dict[str, Registry] = {
+    "engines": Registry("trtserver_register_engines", "engine"),
+    "tool_parsers": Registry("trtserver_register_tool_parsers", "tool-call parser"),
+    "guided_backends": Registry("trtserver_register_guided_backends", "guided decoding backend", guided_backend_key),
+}
 
 
 class PluginLoadError(RuntimeError):
@@ -73,6 +95,41 @@ class PluginInfo:
     version: str | None
     hooks: tuple[str, ...]
     source: str  # core | entry point | --plugin
+    registers: dict[str, tuple[str, ...]] = field(default_factory=dict)  # by registry (REGISTRIES), the names
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """One name a plugin registered through a ``trtserver_register_*`` hook."""
+
+    factory: Any
+    plugin: str
+
+
+def registrations(pm: pluggy.PluginManager, registry: str) -> dict[str, Registration]:
+    """What plugins register through one of the ``REGISTRIES`` (``register(name, factory)``), by
+    name. A name registered twice, by one plugin or two, or a name that is not a non-empty string,
+    raises ``PluginLoadError`` naming the plugins."""
+    spec = REGISTRIES[registry]
+    found: dict[str, Registration] = {}
+    hook = getattr(pm.hook, spec.hook)
+    impls = hook.get_hookimpls()
+    # one plugin at a time, so that a clash can name who registered the name first
+    for impl in reversed(impls):
+        plugin_name = impl.plugin_name
+
+        def register(name: str, factory: Any, plugin_name: str = plugin_name) -> None:
+            if not isinstance(name, str) or not name.strip():
+                raise PluginLoadError(plugin_name, f"{spec.what} name must be a non-empty string, not {name!r}")
+            key = spec.normalize(name) if spec.normalize is not None else name
+            if key in found:
+                raise PluginLoadError(plugin_name, f"{spec.what} {key!r} is registered by both "
+                                                   f"{found[key].plugin!r} and {plugin_name!r}")
+            found[key] = Registration(factory, plugin_name)
+
+        others = [other.plugin for other in impls if other is not impl]
+        pm.subset_hook_caller(spec.hook, remove_plugins=others)(register=register)
+    return found
 
 
 TRACE_ENV = "TRTSERVER_TRACE_PLUGINS"
@@ -164,6 +221,8 @@ def load_plugins(pm: pluggy.PluginManager, *, extra: Iterable[str] = (),
             continue
         _register(pm, module, name)
     pm.check_pending()
+    for registry in REGISTRIES:  # a name two plugins claim stops start-up here, before the engine loads
+        registrations(pm, registry)
 
 
 def list_plugins(pm: pluggy.PluginManager) -> list[PluginInfo]:
@@ -171,6 +230,10 @@ def list_plugins(pm: pluggy.PluginManager) -> list[PluginInfo]:
     for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         if entry_point.dist is not None:
             versions[entry_point.name] = entry_point.dist.version
+    registered: dict[str, dict[str, list[str]]] = {}
+    for registry in REGISTRIES:
+        for key, registration in registrations(pm, registry).items():
+            registered.setdefault(registration.plugin, {}).setdefault(registry, []).append(key)
     infos = []
     for name, plugin in pm.list_name_plugin():
         if plugin is None:
@@ -178,7 +241,8 @@ def list_plugins(pm: pluggy.PluginManager) -> list[PluginInfo]:
         hooks = tuple(sorted(caller.name for caller in pm.get_hookcallers(plugin) or []))
         source = "core" if name in CORE_PLUGINS else ("entry point" if name in versions else "--plugin")
         version = versions.get(name) or getattr(plugin, "__version__", None)
-        infos.append(PluginInfo(name, version, hooks, source))
+        registers = {registry: tuple(sorted(names)) for registry, names in registered.get(name, {}).items()}
+        infos.append(PluginInfo(name, version, hooks, source, registers))
     return sorted(infos, key=lambda info: (info.source != "core", info.name))
 
 

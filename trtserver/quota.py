@@ -27,7 +27,6 @@ from typing import Protocol
 from trtserver.config import ServerConfig, TierLimits
 from trtserver.engine.base import Priority
 from trtserver.errors import InvalidRequest, PermissionDenied, RateLimited
-from trtserver.hookspecs import hookimpl
 
 WINDOW_S = 60.0
 MAX_PROJECT_ID_CHARS = 128
@@ -148,11 +147,6 @@ class MemoryQuotaStore:
         window = self._windows.get(project)
         if window is not None and at in window.requests:
             window.requests.remove(at)
-
-
-@hookimpl(trylast=True)
-def trtserver_quota_store(config: ServerConfig) -> QuotaStore:
-    return MemoryQuotaStore(max_projects=config.max_quota_projects)
 
 
 @dataclass(frozen=True, slots=True)

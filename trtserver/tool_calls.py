@@ -122,27 +122,9 @@ class ToolParserMissing(InvalidRequest):
 def registered_tool_parsers(pm: pluggy.PluginManager) -> dict[str, ToolParserFactory]:
     """Every parser plugins register, by name. A name registered twice raises ``PluginLoadError``
     naming both plugins."""
-    from trtserver.plugins import PluginLoadError
+    from trtserver.plugins import registrations  # plugins -> hookspecs names this module's types
 
-    factories: dict[str, ToolParserFactory] = {}
-    owners: dict[str, str] = {}
-    hook = pm.hook.trtserver_register_tool_parsers
-    # one plugin at a time, so that a clash can name who registered the name first
-    for impl in reversed(hook.get_hookimpls()):
-        plugin_name = impl.plugin_name
-
-        def register(name: str, factory: ToolParserFactory, plugin_name: str = plugin_name) -> None:
-            if not isinstance(name, str) or not name:
-                raise PluginLoadError(plugin_name, f"tool-call parser name must be a non-empty string, not {name!r}")
-            if name in factories:
-                raise PluginLoadError(plugin_name, f"tool-call parser {name!r} is registered by both "
-                                                   f"{owners[name]!r} and {plugin_name!r}")
-            factories[name] = factory
-            owners[name] = plugin_name
-
-        others = [other.plugin for other in hook.get_hookimpls() if other is not impl]
-        pm.subset_hook_caller("trtserver_register_tool_parsers", remove_plugins=others)(register=register)
-    return factories
+    return {name: registration.factory for name, registration in registrations(pm, "tool_parsers").items()}
 
 
 def tool_parser_factory(pm: pluggy.PluginManager, name: str) -> ToolParserFactory:

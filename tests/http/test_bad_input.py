@@ -69,6 +69,10 @@ CASES: list[tuple[str, object, int, str | None]] = [
     ("early_stopping bad", {**OK, "early_stopping": "sometimes"}, 400, "early_stopping"),
     ("guided two kinds", {**OK, "guided_regex": "a+", "guided_choice": ["a"]}, 400, "guided_choice"),
     ("guided_json not json", {**OK, "guided_json": "{not json"}, 400, "guided_json"),
+    ("guided backend unregistered", {**OK, "guided_regex": "a+", "guided_decoding_backend": "no-such-backend"}, 400,
+     "guided_decoding_backend"),
+    ("structured_outputs backend unregistered", {**OK, "structured_outputs": {"regex": "a+", "backend": "nope"}}, 400,
+     "guided_decoding_backend"),
     ("extra_body not object", {**OK, "extra_body": 5}, 400, "extra_body"),
     ("prompt_logprobs streamed", {**OK, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
 ]

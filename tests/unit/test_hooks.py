@@ -23,7 +23,7 @@ from trtserver.testing import serve_scripted
 from trtserver.text import StopMatch
 from trtserver.tokenizer import Tokenizer
 
-FORCED_TOKEN = scripted_tokenizer().token_to_id("a")
+FORCED_TOKEN = scripted_tokenizer().encode("a", add_special_tokens=False)[0]
 ANSWER = reply(" The quick brown fox jumps over the lazy dog.")
 
 
@@ -39,6 +39,25 @@ class CharStop:
         return 0
 
 
+class OnlyToken:
+    """A guide that allows one token, for ever."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def new_state(self) -> OnlyToken:
+        return self
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        bitmask[row, self.token // 32] |= 1 << (self.token % 32)
+
+    def accept_token(self, token_id: int) -> bool:
+        return token_id == self.token
+
+    def is_terminated(self) -> bool:
+        return False
+
+
 class HookPlugin:
     """Implements every hook; each behaviour is switched on by a request field or header."""
 
@@ -48,7 +67,7 @@ class HookPlugin:
         self.quota_calls = 0
         self.quota_store: Any = None
         self.ready: list[tuple[bool, Any]] = []
-        self.guided_backends: list[str] = []
+        self.guides: list[tuple[Any, int]] = []
         self.received_async: list[str] = []
 
     @hookimpl
@@ -94,9 +113,12 @@ class HookPlugin:
         return None
 
     @hookimpl
-    def trtserver_guided_decoder(self, spec: Any, backend: str, context: Any) -> None:
-        self.guided_backends.append(backend)
-        return None
+    def trtserver_register_guided_backends(self, register: Callable[..., None]) -> None:
+        def compile_guide(spec: Any, context: Any) -> OnlyToken:
+            self.guides.append((spec, context.vocab_size))
+            return OnlyToken(FORCED_TOKEN)
+
+        register("HookTest", compile_guide)
 
     @hookimpl
     def trtserver_logits_processors(self, request: Any, context: Any) -> list[Callable[[], Any]] | None:
@@ -186,11 +208,47 @@ async def test_hook_trtserver_request_received(client: TestClient[Any, Any], plu
     assert status == 200 and plugin.received_async[-1] == "async-ok"
 
 
-async def test_hook_trtserver_guided_decoder(client: TestClient[Any, Any], plugin: HookPlugin) -> None:
+async def test_hook_trtserver_register_guided_backends(client: TestClient[Any, Any], plugin: HookPlugin) -> None:
+    from trtserver.guided import GuideSpec
+
+    # names match whatever their case: registered as HookTest
+    status, body = await post(client, guided_regex="a+", guided_decoding_backend="hooktest", return_token_ids=True)
+    assert status == 200 and body["choices"][0]["token_ids"] == [FORCED_TOKEN] * 4
+    vocab_size = client.app[STATE].engine.info.vocab_size
+    assert plugin.guides[-1] == (GuideSpec("regex", "a+"), vocab_size)
+    status, body = await post(client, structured_outputs={"choice": ["a", "b"], "backend": " HOOKTEST"})
+    assert status == 200 and plugin.guides[-1][0] == GuideSpec("choice", ("a", "b"))
+
     status, body = await post(client, guided_regex="[ab]+", guided_decoding_backend="nobackend")
-    assert status == 400
-    assert "nobackend" in body["error"]["message"] and body["error"]["param"] == "guided_decoding_backend"
-    assert plugin.guided_backends[-1] == "nobackend"
+    assert status == 400 and body["error"]["param"] == "guided_decoding_backend"
+    assert "'nobackend'" in body["error"]["message"] and "available: hooktest" in body["error"]["message"]
+    status, body = await post(client, guided_regex="[ab]+")  # no backend named: the default, xgrammar
+    assert status == 400 and body["error"]["param"] == "guided_decoding_backend"
+    assert "'xgrammar'" in body["error"]["message"]
+
+
+class GuideClaimer:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @hookimpl
+    def trtserver_register_guided_backends(self, register: Callable[..., None]) -> None:
+        register(self.name, lambda spec, context: OnlyToken(FORCED_TOKEN))
+
+
+async def test_two_plugins_registering_one_guided_backend_stop_start_up() -> None:
+    from trtserver.plugins import PluginLoadError, new_plugin_manager
+    from trtserver.serving.core import guided_backends
+
+    pm = new_plugin_manager()
+    pm.register(GuideClaimer("mine"), name="first")
+    pm.register(GuideClaimer("Mine"), name="second")
+    with pytest.raises(PluginLoadError, match="guided decoding backend 'mine' is registered by both") as caught:
+        guided_backends(pm)
+    assert "'first'" in str(caught.value) and "'second'" in str(caught.value)
+    with pytest.raises(RuntimeError, match="registered by both"):  # the server does not start
+        async with serve_scripted([GuideClaimer("mine"), GuideClaimer("mine")], installed_plugins=False):
+            pass
 
 
 async def test_hook_trtserver_logits_processors(client: TestClient[Any, Any]) -> None:

@@ -91,6 +91,31 @@ def test_plugins_cli_lists_name_version_hooks() -> None:
     assert all(p["source"] == "entry point" for n, p in plugins.items() if n not in core)
 
 
+def test_plugins_cli_lists_what_each_plugin_registers() -> None:
+    result = run_cli("--json")
+    assert result.returncode == 0, result.stderr
+    plugins = {p["name"]: p for p in json.loads(result.stdout)}
+    assert plugins["trtserver.builtins.engines"]["registers"] == {"engines": ["torch", "trtllm"]}
+    assert plugins["trtserver.builtins.hermes_tool_parser"]["registers"] == {"tool_parsers": ["hermes"]}
+    guided = plugins["guided"]["registers"]["guided_backends"]
+    assert {"xgrammar", "llguidance", "outlines", "lm-format-enforcer", "auto"} <= set(guided)
+    assert plugins["fingerprint"]["registers"] == {}
+    text = run_cli()
+    assert text.returncode == 0, text.stderr
+    assert "    engines: torch, trtllm" in text.stdout.splitlines()
+    assert any(line.startswith("    guided backends: ") and "xgrammar" in line for line in text.stdout.splitlines())
+
+
+def test_plugins_cli_stops_on_two_plugins_registering_one_name(tmp_path: Path) -> None:
+    clash = tmp_path / "clash_plugin.py"
+    clash.write_text("from trtserver import hookimpl\n\n@hookimpl\ndef trtserver_register_guided_backends(register):\n"
+                     "    register('XGrammar', lambda spec, context: None)\n")
+    result = run_cli("--plugin", str(clash))
+    assert result.returncode == 3
+    assert "guided decoding backend 'xgrammar' is registered by both" in result.stderr
+    assert "'clash_plugin'" in result.stderr and "'guided'" in result.stderr
+
+
 def test_broken_plugin_stops_with_exit_3_naming_it(tmp_path: Path) -> None:
     broken = tmp_path / "broken_plugin.py"
     broken.write_text("raise RuntimeError('this plugin is broken')\n")

@@ -1,5 +1,5 @@
 """``[plugins]`` in the TOML file: the modules to load (``load``) and one settings table per plugin,
-beside ``--plugin`` / ``--plugins`` on the command line."""
+beside ``--plugin`` on the command line."""
 
 from __future__ import annotations
 
@@ -46,11 +46,13 @@ def test_plugins_table_beside_server(tmp_path: Path) -> None:
     assert config.plugin_config("other") == {"level": 3}
 
 
-def test_cli_plugins_flag_replaces_the_load_list_and_keeps_the_settings(tmp_path: Path) -> None:
+def test_plugin_is_the_one_flag_for_the_load_list_and_keeps_the_settings(tmp_path: Path) -> None:
     path = tmp_path / "server.toml"
     path.write_text(TABLES)
-    config = config_from_args(parse("engines/x", "--config", str(path), "--plugins", "a,b"))
-    assert config.plugins == ["a", "b"] and config.plugin_config("other") == {"level": 3}
+    config = config_from_args(parse("engines/x", "--config", str(path), "--plugin", "a", "--plugin", "b.py"))
+    assert config.plugins == ["mod_one", "a", "b.py"] and config.plugin_config("other") == {"level": 3}
+    with pytest.raises(SystemExit):  # no second spelling of the same setting
+        parse("engines/x", "--plugins", "a,b")
 
 
 def test_plugins_table_in_a_file_without_server_and_the_old_list(tmp_path: Path) -> None:
@@ -96,5 +98,5 @@ def test_plugin_settings_validate_and_name_the_plugin() -> None:
 def test_a_module_named_again_on_the_command_line_loads_once() -> None:
     """An installed plugin also named with ``--plugin`` (as the same module) is not registered twice."""
     pm = new_plugin_manager()
-    load_plugins(pm, extra=["trtserver.quota"], allowlist=["trtserver.quota"])
-    assert [name for name, _ in pm.list_name_plugin()].count("trtserver.quota") == 1
+    load_plugins(pm, extra=["trtserver.builtins.quota_store"], allowlist=["trtserver.builtins.quota_store"])
+    assert [name for name, _ in pm.list_name_plugin()].count("trtserver.builtins.quota_store") == 1

@@ -189,8 +189,8 @@ class Guides:
         self.guide = guide
 
     @hookimpl
-    def trtserver_guided_decoder(self, spec: Any, backend: str, context: Any) -> AllowOnly:
-        return self.guide
+    def trtserver_register_guided_backends(self, register: Any) -> None:
+        register("test", lambda spec, context: self.guide)
 
 
 async def test_a_guide_masks_the_row_and_ends_the_sequence() -> None:
@@ -220,6 +220,7 @@ async def test_return_token_ids_keeps_tokens_that_make_no_text_yet() -> None:
 async def test_min_tokens_skips_ending_tokens_and_ignore_eos_runs_to_the_script_end() -> None:
     eos = TOKENIZER.eos_token_ids[0]
     two, three = (TOKENIZER.token_to_id(word) for word in ("Ġtwo", "Ġthree"))
+    assert two is not None and three is not None
     async with serve_scripted(installed_plugins=False, script=lambda call: [two, eos, three, eos]) as client:
         _, body = await complete(client)
         assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == (" two", "stop")

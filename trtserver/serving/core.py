@@ -25,7 +25,7 @@ from trtserver.config import ServerConfig
 from trtserver.engine.base import Engine, GenerationRequest, GuidedDecoder, SequenceOutput
 from trtserver.errors import InvalidRequest, Overloaded, Unsupported
 from trtserver.guided import GuideContext, GuideSpec
-from trtserver.plugins import await_me_maybe
+from trtserver.plugins import await_me_maybe, guided_backend_key, registrations
 from trtserver.protocol import GenerationFields, Usage
 from trtserver.quota import MemoryQuotaStore, QuotaStore, decide_tier
 from trtserver.request_context import RequestContext
@@ -38,6 +38,7 @@ from trtserver.text import IncrementalDecoder, StopChecker, StopStrings, TextStr
 log = structlog.get_logger("trtserver.serving")
 
 RequestT = TypeVar("RequestT", bound=GenerationFields)
+GuidedBackend = Callable[[GuideSpec, GuideContext], GuidedDecoder]
 ChunkIn = TypeVar("ChunkIn", contravariant=True)
 ResponseOut = TypeVar("ResponseOut", covariant=True)
 
@@ -125,6 +126,7 @@ class Service:
         self.adapters = AdapterRegistry(config.adapters_dir, max_rank=config.max_lora_rank) \
             if config.adapters_dir else None
         self.extras = extras or {}  # per-API start-up objects (the chat template, tool parsers)
+        self.guided_backends = guided_backends(pm)
         self.flex_in_flight = 0
         # sequences of admitted requests; beyond the engine's slots they wait. Counted here, at
         # admission, because the engine only sees a request once its worker picks it up.
@@ -233,15 +235,16 @@ class Service:
         if not self.info.capabilities.guided_decoding:
             raise Unsupported(f"this engine ({self.info.backend}) does not support guided decoding",
                               param="guided_decoding_backend")
+        factory = self.guided_backends.get(guided_backend_key(backend))
+        if factory is None:
+            known = ", ".join(sorted(self.guided_backends)) or "none"
+            raise InvalidRequest(f"guided decoding backend {backend!r} is not available on this server "
+                                 f"(available: {known}; the trtserver-guided plugin adds xgrammar, llguidance, "
+                                 "outlines and lm-format-enforcer, each with its extra)",
+                                 param="guided_decoding_backend")
         context = GuideContext(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids,
                                self.config.guided_compile_timeout_s)
-        decoder = await asyncio.to_thread(self.pm.hook.trtserver_guided_decoder, spec=spec, backend=backend,
-                                          context=context)
-        if decoder is None:
-            raise InvalidRequest(f"guided decoding backend {backend!r} is not available on this server "
-                                 "(install the trtserver-guided plugin with that backend's extra)",
-                                 param="guided_decoding_backend")
-        return decoder  # type: ignore[no-any-return]
+        return await asyncio.to_thread(factory, spec, context)
 
     # --- running ---------------------------------------------------------------------------
 
@@ -331,6 +334,12 @@ class Service:
                 await await_me_maybe(result)
         except Exception:
             log.exception("response_ready_hook_failed")
+
+
+def guided_backends(pm: pluggy.PluginManager) -> dict[str, GuidedBackend]:
+    """Every guided-decoding backend plugins register, by name (lower case); a name registered
+    twice raises ``PluginLoadError`` naming both plugins."""
+    return {name: registration.factory for name, registration in registrations(pm, "guided_backends").items()}
 
 
 def _sent_param(request: GenerationFields, plan: Plan, param: str) -> str:

@@ -230,7 +230,22 @@ def test_bad_spec_is_a_400_naming_the_backend(backend: str, context: GuideContex
 
 
 def test_unknown_backend_is_left_to_others(context: GuideContext) -> None:
-    assert guided_decoder(GuideSpec("regex", "a"), "someone-elses", context) is None
+    assert "someone-elses" not in plugin.backends()
+    with pytest.raises(KeyError):
+        guided_decoder(GuideSpec("regex", "a"), "someone-elses", context)
+
+
+def test_only_installed_backends_are_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    missing = {"xgrammar", "outlines_core"}
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name in missing else real_find_spec(name, *args))
+    names = set(plugin.backends())
+    assert names == {"llguidance", "guidance", "lm-format-enforcer", "lm_format_enforcer", "lmfe", "auto"}
+    missing.add("llguidance")  # auto needs xgrammar or llguidance
+    assert set(plugin.backends()) == {"lm-format-enforcer", "lm_format_enforcer", "lmfe"}
 
 
 def test_aliases_and_auto(context: GuideContext) -> None:
@@ -245,12 +260,15 @@ def test_aliases_and_auto(context: GuideContext) -> None:
 
 def test_hook_through_pluggy(context: GuideContext) -> None:
     from trtserver.plugins import new_plugin_manager
+    from trtserver.serving.core import guided_backends
 
     pm: pluggy.PluginManager = new_plugin_manager()
     pm.register(plugin, name="guided")
+    registered = guided_backends(pm)
+    assert set(registered) == set(plugin.ALIASES) | {"auto"}  # every library is installed here
     spec = GuideSpec("choice", ("a", "b"))
-    assert pm.hook.trtserver_guided_decoder(spec=spec, backend="xgrammar", context=context) is not None
-    assert pm.hook.trtserver_guided_decoder(spec=spec, backend="nope", context=context) is None
+    assert registered["xgrammar"](spec, context) is get_backend("xgrammar").decoder(spec, context)
+    assert registered["lmfe"](spec, context) is registered["lm-format-enforcer"](spec, context)
 
 
 def test_entry_point_is_declared() -> None:

@@ -1,10 +1,10 @@
-"""The trtserver plugin: answers ``trtserver_guided_decoder`` for its four backends.
+"""The trtserver plugin: registers its four backends through ``trtserver_register_guided_backends``.
 
 Backend names (what ``guided_decoding_backend`` / ``structured_outputs.backend`` may say):
 ``xgrammar`` (default), ``llguidance`` (alias ``guidance``), ``outlines``,
 ``lm-format-enforcer`` (aliases ``lmfe``, ``lm_format_enforcer``), and ``auto`` (xgrammar,
-falling back to llguidance when xgrammar is missing or cannot do the spec). Any other name is
-left to other plugins (None).
+falling back to llguidance when xgrammar is missing or cannot do the spec). A backend is
+registered only when its library is installed; none is imported before its first compile.
 
 When the server shuts down, every compile still running ends at once: its callers get a 503 and
 the compile worker processes are killed, so a slow compile never holds up the exit.
@@ -12,11 +12,15 @@ the compile worker processes are killed, so a slow compile never holds up the ex
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from trtserver.errors import InvalidRequest, Overloaded
 from trtserver.hookspecs import hookimpl
+from trtserver.plugins import guided_backend_key
 
 from trtserver_guided import worker
 
@@ -28,6 +32,8 @@ if TYPE_CHECKING:
 
     from trtserver_guided.backend import Backend
 
+GuidedBackend = Callable[["GuideSpec", "GuideContext"], "GuidedDecoder"]
+
 ALIASES = {
     "xgrammar": "xgrammar",
     "llguidance": "llguidance",
@@ -37,6 +43,13 @@ ALIASES = {
     "lm_format_enforcer": "lm-format-enforcer",
     "lmfe": "lm-format-enforcer",
 }
+LIBRARIES = {  # the import name of each backend's library
+    "xgrammar": "xgrammar",
+    "llguidance": "llguidance",
+    "outlines": "outlines_core",
+    "lm-format-enforcer": "lmformatenforcer",
+}
+AUTO_ORDER = ("xgrammar", "llguidance")
 
 _backends: dict[str, Backend] = {}
 _lock = threading.Lock()
@@ -59,32 +72,57 @@ def get_backend(name: str) -> Backend:
         return backend
 
 
-def guided_decoder(spec: GuideSpec, backend: str, context: GuideContext) -> GuidedDecoder | None:
-    name = backend.strip().lower()
-    if name == "auto":
-        try:
-            return get_backend("xgrammar").decoder(spec, context)
-        except InvalidRequest as first:
-            try:
-                return get_backend("llguidance").decoder(spec, context)
-            except InvalidRequest:
-                raise first from None
-    canonical = ALIASES.get(name)
-    if canonical is None:
-        return None
+def installed(canonical: str) -> bool:
+    """Whether the backend's library can be imported (found, not imported)."""
+    return importlib.util.find_spec(LIBRARIES[canonical]) is not None
+
+
+def compile_guide(canonical: str, spec: GuideSpec, context: GuideContext) -> GuidedDecoder:
+    """The decoder of one backend for ``spec`` (cached by the backend)."""
     return get_backend(canonical).decoder(spec, context)
 
 
+def compile_auto(order: tuple[str, ...], spec: GuideSpec, context: GuideContext) -> GuidedDecoder:
+    """The first backend of ``order`` that can do ``spec``; the first one's error when none can."""
+    first: InvalidRequest | None = None
+    for canonical in order:
+        try:
+            return compile_guide(canonical, spec, context)
+        except InvalidRequest as exc:
+            first = first or exc
+    assert first is not None, "auto is registered only with a backend to try"
+    raise first
+
+
+def backends() -> dict[str, GuidedBackend]:
+    """Every name this plugin registers, with its factory: the installed backends and their aliases,
+    and ``auto`` when xgrammar or llguidance is installed."""
+    available = {canonical for canonical in LIBRARIES if installed(canonical)}
+    found: dict[str, GuidedBackend] = {name: functools.partial(compile_guide, canonical)
+                                       for name, canonical in ALIASES.items() if canonical in available}
+    order = tuple(canonical for canonical in AUTO_ORDER if canonical in available)
+    if order:
+        found["auto"] = functools.partial(compile_auto, order)
+    return found
+
+
+def guided_decoder(spec: GuideSpec, backend: str, context: GuideContext) -> GuidedDecoder:
+    """What the backend this plugin registers as ``backend`` compiles for ``spec``, as the server
+    gets it; ``KeyError`` when this plugin registers no such name (not installed, or unknown)."""
+    return backends()[guided_backend_key(backend)](spec, context)
+
+
 @hookimpl
-def trtserver_guided_decoder(spec: GuideSpec, backend: str, context: GuideContext) -> GuidedDecoder | None:
-    return guided_decoder(spec, backend, context)
+def trtserver_register_guided_backends(register: Callable[[str, GuidedBackend], None]) -> None:
+    for name, factory in backends().items():
+        register(name, factory)
 
 
 def stop_compiles() -> None:
     """End every pending compile of every backend: callers get a 503 now, worker processes die."""
     with _lock:
-        backends = list(_backends.values())
-    for backend in backends:
+        running = list(_backends.values())
+    for backend in running:
         backend.cache.fail_pending(Overloaded("the server is shutting down"))
     worker.kill_all()
 
