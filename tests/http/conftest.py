@@ -71,16 +71,44 @@ def stop_server(process: subprocess.Popen[bytes], timeout: float = 30) -> None:
         process.kill()
 
 
+SERVER_RSS = pytest.StashKey[tuple[float, float]]()
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of ``pid`` and its children (the engine process), in MiB."""
+    total = 0.0
+    pids = [pid]
+    while pids:
+        current = pids.pop()
+        try:
+            status = Path(f"/proc/{current}/status").read_text()
+            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+        except OSError:
+            continue
+        total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0) / 1024
+        pids += [int(c) for c in children]
+    return total
+
+
 @pytest.fixture(scope="session")
-def base_url(engine_dir: Path) -> Iterator[str]:
+def base_url(engine_dir: Path, pytestconfig: pytest.Config) -> Iterator[str]:
     external = os.environ.get("TRTSERVER_TEST_BASE_URL")
     if external:
         wait_healthy(external, None)
         yield external
         return
     process, base = start_server(engine_dir)
+    at_start = rss_mib(process.pid)
     yield base
+    pytestconfig.stash[SERVER_RSS] = (at_start, rss_mib(process.pid))
     stop_server(process)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    if SERVER_RSS in config.stash:  # what the shared server holds after every test used it
+        start, end = config.stash[SERVER_RSS]
+        terminalreporter.write_line(f"shared test server RSS (server + engine process): {start:.0f} MiB when "
+                                    f"ready, {end:.0f} MiB after the tests")
 
 
 @pytest.fixture(scope="session")
