@@ -23,58 +23,82 @@ def test_common_prefix_against_a_plain_loop() -> None:
         assert common_prefix(a, b, limit) == expected, (a, b, limit)
 
 
+def cache_with(num_slots: int, entries: dict[int, list[int]], stash_slots: int = 0,
+               adapter: str | None = None) -> PrefixCache:
+    """A cache whose running slots were all used once; ``entries`` says what each kept (others: nothing)."""
+    cache = PrefixCache(num_slots, stash_slots=stash_slots)
+    taken = cache.place(num_slots, [0], None, reuse=True).slots
+    assert sorted(taken) == list(range(num_slots))
+    for slot in range(num_slots):  # released in slot order: the lowest slot is the least recently used
+        cache.release(slot, entries.get(slot, []), adapter)
+    return cache
+
+
 def test_a_prompt_extending_an_entry_takes_its_slot() -> None:
     cache = PrefixCache(4)
     first = cache.place(1, [1, 2, 3, 4], None, reuse=True)
     assert first.slots == [0] and first.cached == 0
     cache.release(0, [1, 2, 3, 4, 9], None)  # prompt + one generated token cached
     again = cache.place(1, [1, 2, 3, 4, 9, 7, 7], None, reuse=True)
-    assert again.slots == [0] and again.cached == 5 and again.copy is None
+    assert again.slots == [0] and again.cached == 5 and again.copies == []
     assert cache.hit_tokens == 5 and cache.miss_tokens == 4 + 2
 
 
 def test_the_last_prompt_token_is_always_computed() -> None:
-    cache = PrefixCache(2)
-    cache.release(0, [1, 2, 3], None)
-    same = cache.place(1, [1, 2, 3], None, reuse=True)
-    assert same.cached == 2  # its logits start decoding
-    cache.release(1, [5, 6, 7, 8], None)
-    shorter = cache.place(1, [5, 6], None, reuse=True)
-    assert shorter.cached == 1
+    cache = cache_with(2, {0: [1, 2, 3], 1: [5, 6, 7, 8]})
+    assert cache.place(1, [1, 2, 3], None, reuse=True).cached == 2  # its logits start decoding
+    assert cache.place(1, [5, 6], None, reuse=True).cached == 1
 
 
 def test_a_partial_match_is_copied_and_the_entry_kept_whole() -> None:
-    cache = PrefixCache(3)
-    cache.release(1, [1, 2, 3, 4, 5, 6], None)
+    cache = cache_with(3, {1: [1, 2, 3, 4, 5, 6]})
     placement = cache.place(1, [1, 2, 3, 9], None, reuse=True)
-    assert placement.cached == 3
-    assert placement.copy == (1, placement.slots[0], 3) and placement.slots[0] != 1
-    assert 1 in cache.entries  # the doc and its first question stay for the next one
+    assert placement.cached == 3 and placement.slots == [0]
+    assert placement.copies == [(1, 0, 3)]
+    assert 1 in cache.entries  # the document and its first question stay for the next one
 
 
 def test_no_shared_token_means_no_reuse_and_the_lowest_empty_slot() -> None:
-    cache = PrefixCache(3)
-    cache.release(2, [1, 2, 3], None)
+    cache = cache_with(3, {2: [1, 2, 3]})
     placement = cache.place(1, [7, 2, 3], None, reuse=True)
-    assert placement.slots == [0] and placement.cached == 0 and placement.copy is None
+    assert placement.slots == [0] and placement.cached == 0 and placement.copies == []
     assert 2 in cache.entries
 
 
 def test_entries_are_evicted_least_recently_used_first() -> None:
-    cache = PrefixCache(3)
-    for slot, first in ((0, 10), (1, 20), (2, 30)):
-        cache.place(1, [first, 1], None, reuse=True)
-        cache.release(slot, [first, 1, 2], None)
-    cache.place(1, [10, 1, 2, 5], None, reuse=True)  # a hit on slot 0: taken whole
+    cache = cache_with(3, {0: [10, 1, 2], 1: [20, 1, 2], 2: [30, 1, 2]})
+    hit = cache.place(1, [10, 1, 2, 5], None, reuse=True)  # slot 0's entry, taken whole
+    assert hit.slots == [0] and hit.cached == 3
     cache.release(0, [10, 1, 2, 5], None)  # slot 0 is now the most recent
-    placement = cache.place(1, [99, 1], None, reuse=True)
-    assert placement.slots == [1]  # the oldest entry goes
+    assert cache.place(1, [99, 1], None, reuse=True).slots == [1]  # the oldest entry goes
     assert set(cache.entries) == {0, 2}
 
 
+def test_evicted_entries_move_to_the_stash_and_come_back() -> None:
+    doc, other = list(range(100, 150)), list(range(200, 250))
+    cache = cache_with(2, {0: doc, 1: other}, stash_slots=1)
+    placement = cache.place(1, [7, 8], None, reuse=True)  # nothing shared: slot 0's entry is the oldest
+    assert placement.slots == [0] and placement.copies == [(0, 2, 50)]  # saved before slot 0 is written
+    assert cache.stash[2].tokens == doc
+    back = cache.place(1, doc + [1], None, reuse=True)  # runs in a running slot, copied from the stash
+    assert back.slots == [1] and back.cached == 50
+    # slot 1's entry is older than the stashed document, just used: it is dropped, not stashed over it
+    assert back.copies == [(2, 1, 50)] and cache.stash[2].tokens == doc
+
+
+def test_short_or_older_entries_are_not_stashed() -> None:
+    cache = cache_with(2, {0: [1, 2, 3], 1: list(range(300, 340))}, stash_slots=1)
+    assert cache.place(1, [9], None, reuse=True).copies == []  # 3 tokens: recomputing is cheaper
+    assert cache.place(1, [9, 9], None, reuse=True).copies == [(1, 2, 40)]
+    cache.release(0, list(range(400, 440)), None)
+    cache.release(1, list(range(500, 540)), None)
+    cache.stash[2].used = 10**9  # the stash's entry is the most recent: an evicted one is dropped
+    placement = cache.place(1, [8], None, reuse=True)
+    assert placement.copies == [] and cache.stash[2].tokens == list(range(300, 340))
+
+
 def test_entries_match_only_their_adapter() -> None:
-    cache = PrefixCache(3)
-    cache.release(0, [1, 2, 3, 4], "sql")
+    cache = cache_with(3, {0: [1, 2, 3, 4]}, adapter="sql")
     assert cache.place(1, [1, 2, 3, 4, 5], None, reuse=True).cached == 0
     assert cache.place(1, [1, 2, 3, 4, 5], "other", reuse=True).cached == 0
     assert cache.place(1, [1, 2, 3, 4, 5], "sql", reuse=True).cached == 4
@@ -85,15 +109,14 @@ def test_held_slots_are_copied_from_never_taken() -> None:
     taken = cache.place(1, [1, 2, 3, 4, 5], None, reuse=True).slots
     running = Source(taken[0], [1, 2, 3, 4, 5], valid=5, adapter=None)
     placement = cache.place(2, [1, 2, 3, 4, 8], None, reuse=True, held=[running])
-    assert placement.cached == 4 and placement.copy == (taken[0], placement.slots[0], 4)
+    assert placement.cached == 4 and placement.copies == [(taken[0], placement.slots[0], 4)]
     assert taken[0] not in placement.slots and len(set(placement.slots)) == 2
     half = Source(taken[0], [1, 2, 3, 4, 5], valid=2, adapter=None)  # still prefilling: 2 positions written
     assert PrefixCache(2).place(1, [1, 2, 3, 4, 8], None, reuse=True, held=[half]).cached == 2
 
 
 def test_reuse_false_and_disabled_compute_everything() -> None:
-    cache = PrefixCache(2)
-    cache.release(0, [1, 2, 3], None)
+    cache = cache_with(2, {0: [1, 2, 3]})
     assert cache.place(1, [1, 2, 3, 4], None, reuse=False).cached == 0
     off = PrefixCache(3, enabled=False)
     assert [off.place(1, [1, 2], None, reuse=True).slots[0] for _ in range(3)] == [0, 1, 2]
@@ -105,8 +128,7 @@ def test_reuse_false_and_disabled_compute_everything() -> None:
 
 
 def test_clear_forgets_every_entry() -> None:
-    cache = PrefixCache(2)
-    cache.release(1, [1, 2, 3], None)
+    cache = cache_with(2, {1: [1, 2, 3]})
     cache.clear()
     assert cache.place(1, [1, 2, 3, 4], None, reuse=True).cached == 0
 

@@ -3,11 +3,15 @@
 The cache is a fixed set of slots, each one sequence's K/V from position 0 (``cache.py``), so
 prefixes are shared as llama.cpp's server shares them: a finished sequence's slot keeps its K/V and
 the tokens they stand for (an *entry*), and a new prompt starts from the longest prefix it shares
-with an entry or with a running request's prompt. A fully matched entry is taken as it is; a
-partial match is copied into another slot, so the entry stays whole for the next request. Only free
-slots hold entries, so nothing a running request uses is ever evicted; when a slot is needed, empty
-slots go first (lowest first, which keeps decode batches contiguous), then the least recently used
-entry. Plain Python, no torch: the engine performs the copies this module plans.
+with an entry or with a running request's prompt. A prompt that extends a whole entry takes its slot
+as it is; a shorter match is copied into the request's own slot, so the entry stays whole.
+
+Running sequences use only the first ``num_slots`` slots (a full batch then reads the cache through
+one view); entries live in those of them that are free and in ``stash_slots`` more. A free slot is
+taken empty first (lowest first), else from its least recently used entry, which moves to the stash
+if it is more recent than the stash's own least recently used one. Only free slots hold entries, so
+nothing a running request uses is ever evicted. Plain Python, no torch: the engine performs the
+copies this module plans, in order, before the step computes anything.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import heapq
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+MIN_STASHED = 32  # shorter entries are cheaper to recompute than to keep
 
 
 @dataclass(slots=True)
@@ -37,9 +43,9 @@ class Source:
 
 @dataclass(slots=True)
 class Placement:
-    slots: list[int]  # the request's slots; the first computes the prompt
-    cached: int = 0  # prompt tokens already in ``slots[0]`` (after ``copy``)
-    copy: tuple[int, int, int] | None = None  # (from slot, to slot, positions) to copy before computing
+    slots: list[int] = field(default_factory=list)  # the request's slots; the first computes the prompt
+    cached: int = 0  # prompt tokens already in ``slots[0]`` once ``copies`` are done
+    copies: list[tuple[int, int, int]] = field(default_factory=list)  # (from slot, to slot, positions), in order
 
 
 @dataclass(slots=True)
@@ -47,53 +53,54 @@ class PrefixCache:
     """Free slots and their entries. ``enabled`` False: lowest free slot first, nothing reused."""
 
     num_slots: int
+    stash_slots: int = 0
     enabled: bool = True
-    entries: dict[int, Entry] = field(default_factory=dict)  # free slots that hold K/V worth keeping
+    entries: dict[int, Entry] = field(default_factory=dict)  # free running slots that hold K/V worth keeping
+    stash: dict[int, Entry] = field(default_factory=dict)  # entries in the slots beyond ``num_slots``
     hit_tokens: int = 0
     miss_tokens: int = 0
-    _empty: list[int] = field(default_factory=list)  # a heap of free slots without an entry
+    _empty: list[int] = field(default_factory=list)  # a heap of free running slots without an entry
     _clock: itertools.count[int] = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
         self._empty = list(range(self.num_slots))
 
-    @property
-    def num_free(self) -> int:
-        return len(self._empty) + len(self.entries)
-
     def place(self, count: int, prompt: list[int], adapter: str | None, *, reuse: bool,
               held: Iterable[Source] = ()) -> Placement:
         """Take ``count`` free slots for a request with ``prompt`` (the caller checked there are that many)."""
-        best, source, from_entry = 0, -1, False
+        best, source, whole = 0, -1, False
         if self.enabled and reuse:
             limit = len(prompt) - 1  # the last prompt token is always computed: its logits start decoding
-            for slot, entry in self.entries.items():
-                if entry.adapter == adapter:
-                    n = common_prefix(entry.tokens, prompt, limit)
-                    if n > best:
-                        best, source, from_entry = n, slot, True
+            for slot, candidate in itertools.chain(self.entries.items(), self.stash.items()):
+                if candidate.adapter == adapter:
+                    shared = common_prefix(candidate.tokens, prompt, len(prompt))
+                    n, covers = min(shared, limit), shared >= len(candidate.tokens) and slot in self.entries
+                    if n > best or (n == best and covers and not whole):
+                        best, source, whole = n, slot, covers
             for s in held:
                 if s.adapter == adapter:
                     n = common_prefix(s.tokens, prompt, min(limit, s.valid))
                     if n > best:
-                        best, source, from_entry = n, s.slot, False
-        placement = Placement([])
-        if from_entry and best >= len(self.entries[source].tokens):  # the prompt extends the whole entry
+                        best, source, whole = n, s.slot, False
+        placement = Placement(cached=best)
+        entry = self.entries.get(source) if best else None
+        if entry is not None and whole:  # the prompt starts with the whole entry: it runs in that slot
             del self.entries[source]
             placement.slots.append(source)
-        elif best:
-            if from_entry:
-                self.entries[source].used = next(self._clock)  # kept whole, and now the most recent
-            target = self._evict(avoid=source)
+        else:
+            if entry is not None:
+                entry.used = next(self._clock)  # kept whole, and now the most recent
+            if source in self.stash:
+                self.stash[source].used = next(self._clock)
+            target = self._take(placement, avoid=source)
             if target is None:  # the source is the only free slot: compute into it
                 del self.entries[source]
                 target = source
             placement.slots.append(target)
-            if target != source:
-                placement.copy = (source, target, best)
-        placement.cached = best
+            if best and target != source:
+                placement.copies.append((source, target, best))
         while len(placement.slots) < count:
-            free = self._evict(avoid=-1)
+            free = self._take(placement, avoid=-1)
             assert free is not None, "place() was asked for more slots than are free"
             placement.slots.append(free)
         if self.enabled:
@@ -113,16 +120,24 @@ class PrefixCache:
         for slot in self.entries:
             heapq.heappush(self._empty, slot)
         self.entries.clear()
+        self.stash.clear()
 
-    def _evict(self, avoid: int) -> int | None:
-        """A free slot to write: an empty one, else the least recently used entry but ``avoid``."""
+    def _take(self, placement: Placement, avoid: int) -> int | None:
+        """A free running slot to write: an empty one, else the least recently used entry's (but ``avoid``),
+        the entry moving to the stash when it is worth more than what it would replace there."""
         if self._empty:
             return heapq.heappop(self._empty)
         candidates = [(e.used, slot) for slot, e in self.entries.items() if slot != avoid]
         if not candidates:
             return None
         _, slot = min(candidates)
-        del self.entries[slot]
+        entry = self.entries.pop(slot)
+        if self.stash_slots and len(entry.tokens) >= MIN_STASHED:
+            free = [s for s in range(self.num_slots, self.num_slots + self.stash_slots) if s not in self.stash]
+            to = free[0] if free else min(self.stash, key=lambda s: self.stash[s].used)
+            if free or self.stash[to].used < entry.used:
+                self.stash[to] = entry
+                placement.copies.append((slot, to, len(entry.tokens)))
         return slot
 
 

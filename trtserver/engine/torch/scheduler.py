@@ -45,7 +45,7 @@ class Scheduler:
         """``num_slots`` sequences run at once; ``cache_slots`` more slots only keep cached prefixes."""
         self.num_slots = num_slots
         self.chunk_size = chunk_size
-        self.prefix = PrefixCache(num_slots + cache_slots, enabled=prefix_cache)
+        self.prefix = PrefixCache(num_slots, stash_slots=cache_slots, enabled=prefix_cache)
         self.slots_held = 0
         self._copies: list[tuple[int, int, int]] = []
         self.waiting: list[tuple[int, int, Group]] = []  # heap of (priority, arrival, group)
@@ -146,8 +146,7 @@ class Scheduler:
             self.slots_held += len(live)
             group.prefill_slot = placement.slots[0]
             group.prefill_pos = group.cached_tokens = placement.cached
-            if placement.copy is not None:
-                self._copies.append(placement.copy)
+            self._copies += placement.copies
             self.prefilling.append(group)
 
     def _sources(self) -> Iterator[Source]:
