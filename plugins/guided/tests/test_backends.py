@@ -193,6 +193,40 @@ def test_compiled_guides_are_cached(backend: str, context: GuideContext) -> None
     assert guided_decoder(GuideSpec("regex", r"[xyz]{5}"), backend, context) is not first
 
 
+def test_the_cache_is_bounded_by_the_bytes_of_its_guides() -> None:
+    from trtserver_guided.cache import CompileCache
+
+    cache: CompileCache[bytes] = CompileCache(max_entries=100, max_bytes=10, size=len)
+
+    def get(key: str, value: bytes) -> bytes:
+        out = cache.get(key, lambda: value, timeout=5)
+        deadline = time.monotonic() + 5
+        while cache.pending() and time.monotonic() < deadline:  # stored just after the caller wakes
+            time.sleep(0.01)
+        return out
+
+    for key, value in (("a", b"1234"), ("b", b"5678"), ("c", b"90")):
+        get(key, value)
+    assert cache.bytes == 10 and len(cache) == 3
+    assert get("a", b"") == b"1234"  # a hit: "a" is now the most recent
+    get("d", b"xyz")
+    assert "b" not in cache and "a" in cache and cache.bytes == 9
+    assert get("huge", b"x" * 11) == b"x" * 11  # answered, not kept
+    assert "huge" not in cache and cache.bytes == 9 and "d" in cache  # nor does it push the others out
+
+
+def test_xgrammar_guides_count_their_bytes(context: GuideContext) -> None:
+    backend = get_backend("xgrammar")
+    before = backend.cache.bytes
+    guide = guided_decoder(GuideSpec("regex", r"[a-z]{1,300}q"), "xgrammar", context)
+    size = backend.footprint(guide.decoder)  # type: ignore[attr-defined]
+    assert size > 10_000
+    deadline = time.monotonic() + 5
+    while backend.cache.bytes < before + size and time.monotonic() < deadline:  # stored after the caller wakes
+        time.sleep(0.01)
+    assert backend.cache.bytes >= before + size
+
+
 def test_cache_key_keeps_schema_text(context: GuideContext) -> None:
     a = guided_decoder(GuideSpec("json", '{"type":"object","properties":{"x":{"type":"integer"}}}'), "xgrammar",
                        context)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from trtserver.guided import GuideContext, GuideSpec
 
 INSTALL_HINT = "pip install 'trtserver-guided[{extra}]'"
+# compiled guides kept per backend and process, by the bytes their library reports (xgrammar's: ~9 MB for [a-z]{1,1000})
+CACHE_BYTES = int(os.environ.get("TRTSERVER_GUIDED_CACHE_MB", "256")) << 20
 
 
 def strip_anchors(regex: str) -> str:
@@ -45,7 +48,8 @@ class Backend:
     kinds: ClassVar[frozenset[str]] = frozenset({"json", "json_object", "regex", "choice", "grammar"})
 
     def __init__(self) -> None:
-        self.cache: CompileCache[Portable] = CompileCache()
+        self.cache: CompileCache[Portable] = CompileCache(max_bytes=CACHE_BYTES,
+                                                          size=lambda guide: self.footprint(guide.decoder))
         self.lanes = Lanes(self.name)
         self._lock = threading.Lock()
         self._per_vocab: dict[int, tuple[Vocab, Any, np.ndarray, np.ndarray]] = {}
@@ -86,6 +90,10 @@ class Backend:
                               timeout)
 
     # --- subclasses ---------------------------------------------------------------------------
+    def footprint(self, decoder: GuidedDecoder) -> int:
+        """Bytes a compiled guide holds, where the library says (bounds the cache); 0 = unknown."""
+        return 0
+
     def _load(self, vocab: Vocab) -> Any:
         raise NotImplementedError
 

@@ -26,10 +26,15 @@ T = TypeVar("T")
 
 
 class CompileCache(Generic[T]):
-    def __init__(self, max_entries: int = 128) -> None:
+    def __init__(self, max_entries: int = 128, *, max_bytes: int | None = None,
+                 size: Callable[[T], int] | None = None) -> None:
+        """At most ``max_entries`` guides, and ``max_bytes`` of them as ``size`` measures them."""
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._size = size or (lambda _: 0)
+        self.bytes = 0
         self._lock = threading.Lock()
-        self._done: OrderedDict[Hashable, T] = OrderedDict()
+        self._done: OrderedDict[Hashable, tuple[T, int]] = OrderedDict()
         self._pending: dict[Hashable, Future[T]] = {}
         self.hits = 0
         self.misses = 0
@@ -47,7 +52,7 @@ class CompileCache(Generic[T]):
             if key in self._done:
                 self._done.move_to_end(key)
                 self.hits += 1
-                return self._done[key]
+                return self._done[key][0]
             future = self._pending.get(key)
             fresh = future is None
             if future is None:
@@ -67,10 +72,14 @@ class CompileCache(Generic[T]):
             self._pending.pop(key, None)
             if future.cancelled() or future.exception() is not None:
                 return  # errors are not cached: they are cheap to reproduce and may be transient
-            self._done[key] = future.result()
-            self._done.move_to_end(key)
-            while len(self._done) > self.max_entries:
-                self._done.popitem(last=False)
+            value = future.result()
+            size = self._size(value)
+            if self.max_bytes is not None and size > self.max_bytes:
+                return  # answered, not kept: it would push out everything else
+            self._done[key] = (value, size)
+            self.bytes += size
+            while len(self._done) > self.max_entries or (self.max_bytes is not None and self.bytes > self.max_bytes):
+                self.bytes -= self._done.popitem(last=False)[1][1]
 
     def fail_pending(self, exc: BaseException) -> None:
         """End the wait of every caller of a compile still running (the compile may go on)."""
@@ -89,6 +98,7 @@ class CompileCache(Generic[T]):
     def clear(self) -> None:
         with self._lock:
             self._done.clear()
+            self.bytes = 0
 
 
 def _run(future: Future[T], compile_fn: Callable[[], T]) -> None:

@@ -29,7 +29,7 @@ from trtserver_guided.limits import grammar_weight, regex_weight, schema_pattern
 from trtserver_guided.state import MaskState
 
 if TYPE_CHECKING:
-    from trtserver.engine.base import TokenConstraint
+    from trtserver.engine.base import GuidedDecoder, TokenConstraint
     from trtserver.guided import GuideSpec
 
     from trtserver_guided.vocab import Vocab
@@ -113,6 +113,9 @@ class XGrammarBackend(Backend):
                 return 0  # the compiler reports it
             return max((regex_weight(p) for p in schema_patterns(schema)), default=0)
         return 0
+
+    def footprint(self, decoder: GuidedDecoder) -> int:
+        return int(decoder.compiled.memory_size_bytes) if isinstance(decoder, XGrammarDecoder) else 0
 
     def _load(self, vocab: Vocab) -> Any:
         import xgrammar as xgr
