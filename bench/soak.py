@@ -14,8 +14,9 @@ Every client loops until the deadline over four kinds of request (client i start
 Beside them, ``--abusers`` clients (default 4) loop over careless and hostile requests, each bounded
 in time: JSON nested 5,000 deep, a gzip header on a plain body, a non-ASCII ``X-Request-Id``, a bad
 chunk size on a raw socket, a request head sent byte by byte (the server times it out), a body cut
-off mid-way, and a slow reader of a stream. Each must get its 4xx JSON envelope (the slow reader its
-whole stream); any other answer counts as an error.
+off mid-way, a slow reader of a stream, and a guided regex that takes seconds to compile (a new one
+each time, so no cache serves it). Each must get its 4xx JSON envelope (the slow reader its whole
+stream, the guide its constrained text or the time-out's 400); any other answer counts as an error.
 
 Checks (exit status 1 if any fails): zero errors (any non-200, or a transport error other than our
 deliberate disconnects, or a malformed answer), every completed stream ends with ``[DONE]``,
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import itertools
 import json
 import os
 import re
@@ -225,7 +227,9 @@ RUNNERS = {"stream": run_stream, "n2": run_n2, "logprobs": run_logprobs, "discon
 
 # --- the abusers ------------------------------------------------------------------------------------
 
-ABUSE_KINDS = ("deep_json", "bad_gzip", "bad_request_id", "bad_chunk", "slow_head", "cut_body", "slow_reader")
+ABUSE_KINDS = ("deep_json", "bad_gzip", "bad_request_id", "bad_chunk", "slow_head", "cut_body", "slow_reader",
+               "slow_guide")
+_guides = itertools.count(1000)
 HEAD_TIMEOUT_S, BODY_TIMEOUT_S = 2.0, 3.0  # the server's --header-timeout-s / --body-timeout-s here
 
 
@@ -279,6 +283,17 @@ async def abuse(kind: str, session: aiohttp.ClientSession, base: str, port: int)
         _expect_envelope(await _raw(port, _request(ok)[:40], pause_s=0.25, pieces=40), 408)
     elif kind == "cut_body":  # a head promising more body than ever comes: 408 after the body deadline
         _expect_envelope(await _raw(port, _request(ok[:5], length=len(ok))), 408)
+    elif kind == "slow_guide":  # a guide that takes seconds to compile, new each time: compiled off the step loop
+        bound = next(_guides)
+        body = {"prompt": "Name:", "max_tokens": 6, "guided_regex": f"[a-z ]{{1,{bound}}}"}
+        async with session.post(f"{base}/v1/completions", json=body) as response:
+            answer = await response.json()
+        if response.status == 200:
+            text = answer["choices"][0]["text"]
+            if not re.fullmatch(r"[a-z ]*", text):
+                raise Malformed(f"guided text outside its regex: {text!r}")
+        elif response.status != 400 or "error" not in answer:  # 400: the compile time-out, in the envelope
+            raise Malformed(f"slow guide: HTTP {response.status} {str(answer)[:200]}")
     elif kind == "slow_reader":  # reads a stream a line at a time with pauses; the whole stream still arrives
         body = {"prompt": "Once upon a time", "max_tokens": 12, "ignore_eos": True, "stream": True}
         async with session.post(f"{base}/v1/completions", json=body) as response:
@@ -341,13 +356,17 @@ async def prime_kv_cache(base: str, slots: int, context: int) -> float:
     body = {"prompt": "Once upon a time", "max_tokens": context - 8, "ignore_eos": True, "temperature": 0}
     t0 = time.monotonic()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        guided = {"prompt": "Name:", "max_tokens": 4, "guided_regex": "[a-z ]{1,999}"}
+        async with session.post(f"{base}/v1/completions", json=guided) as response:
+            await response.read()  # loads the guide compiler in both processes, as the first guided request does
 
         async def one() -> None:
             async with session.post(f"{base}/v1/completions", json=body) as response:
                 response.raise_for_status()
                 await response.read()
 
-        await asyncio.gather(*(one() for _ in range(slots)))
+        for _ in range(2):  # the second wave reaches the slots that only keep cached prefixes
+            await asyncio.gather(*(one() for _ in range(slots)))
     return time.monotonic() - t0
 
 
