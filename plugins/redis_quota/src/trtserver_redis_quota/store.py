@@ -147,9 +147,9 @@ class RedisQuotaStore:
         try:
             if self.outage.skipping():
                 raise asyncio.TimeoutError(f"no answer within {self.settings.timeout_s} s a moment ago")
-            allowed, requests, tokens, oldest, now_us = await asyncio.wait_for(
-                self._acquire(keys=self.keys(project), args=[WINDOW_US, rpm, tpm, uuid.uuid4().hex, KEY_TTL_MS]),
-                self.settings.timeout_s)
+            async with asyncio.timeout(self.settings.timeout_s):  # no task per call, as wait_for makes
+                allowed, requests, tokens, oldest, now_us = await self._acquire(
+                    keys=self.keys(project), args=[WINDOW_US, rpm, tpm, uuid.uuid4().hex, KEY_TTL_MS])
         except UNAVAILABLE as exc:
             self.outage.failed("acquire", exc)
             if self.settings.on_unavailable == "fail_closed":
@@ -165,9 +165,8 @@ class RedisQuotaStore:
         try:
             if self.outage.skipping():
                 raise asyncio.TimeoutError(f"no answer within {self.settings.timeout_s} s a moment ago")
-            await asyncio.wait_for(
-                self._charge(keys=[tokens_key, sum_key], args=[uuid.uuid4().hex, int(tokens), KEY_TTL_MS]),
-                self.settings.timeout_s)
+            async with asyncio.timeout(self.settings.timeout_s):
+                await self._charge(keys=[tokens_key, sum_key], args=[uuid.uuid4().hex, int(tokens), KEY_TTL_MS])
         except UNAVAILABLE as exc:
             self.outage.failed("add_tokens", exc)
             return
