@@ -3,8 +3,9 @@
 Built on the meta device and loaded from Hugging Face safetensors with ``assign=True``, so no
 weight is allocated twice. q/k/v and gate/up are fused into one matmul each at load time.
 Attention reads K/V from the static cache (``cache.py``) over the live length only (in decode,
-rounded up to a few fixed lengths and masked: ``core.attention_length``). The CPU weight formats
-that can replace the projections are in ``cpu_weights.py``.
+rounded up to a few fixed lengths and masked: ``runner.attention_length``). The model knows nothing
+of how it is run faster: the runner (``runner.py``) swaps in CPU weight formats and decode functions
+(``cpu/``) or CUDA graphs (``graphs.py``) around it.
 
 The layers call their submodules' ``forward`` directly: ``nn.Module.__call__`` checks for hooks
 (none are used here; LoRA swaps modules instead) at ~2 µs a call, ~270 calls per decode step, which
@@ -17,16 +18,12 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trtserver.engine.torch.cache import KVCache
-
-if TYPE_CHECKING:
-    from trtserver.engine.torch.scripted import ScriptedDecode
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,20 +70,6 @@ class ModelArgs:
         )
 
 
-SMALL_BATCH = 4
-"""Decode batches up to this many rows take the small-batch kernels (CPU): float32 attention and the
-quantized projections. Above it, and for prefill, the bfloat16 kernels are faster; the two sets round
-differently, so ``batch_invariant`` turns the small-batch set off."""
-
-
-@dataclass(slots=True)
-class KernelSwitch:
-    """Shared by the model and its quantized projections: whether the forward under way (and the
-    ``logits`` after it) takes the small-batch kernels. Set from ``ForwardContext.small``."""
-
-    small: bool = False
-
-
 @dataclass(slots=True)
 class ForwardContext:
     """Where a batch's tokens sit in the cache. ``B`` rows of ``T`` tokens."""
@@ -97,7 +80,7 @@ class ForwardContext:
     length: int  # keys to attend over (the longest live length in the batch)
     mask: Tensor | None  # (B, 1, T, length) True = attend; None = every key visible, or causal
     causal: bool = False  # prefill of one prompt from position 0: T == length, no mask needed
-    small: bool = False  # a decode batch that takes the small-batch kernels (SMALL_BATCH)
+    small: bool = False  # a decode batch that takes the small-batch kernels (runner.SMALL_BATCH)
     dense: tuple[Tensor, Tensor] | None = None  # flat K, V buffers: decode copies the live keys there (bf16 CPU)
     _rows: Tensor | None = None
     _additive_mask: Tensor | None = None
@@ -239,8 +222,6 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.rope_cos: Tensor | None = None
         self.rope_sin: Tensor | None = None
-        self.kernels = KernelSwitch()
-        self.scripted: ScriptedDecode | None = None  # decode steps through the layers, CPU (scripted.py)
 
     def setup_rope(self, max_len: int) -> None:
         """Precompute cos and signed sin (``apply_rope``) for positions 0..max_len (the last one is
@@ -253,17 +234,16 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: Tensor, ctx: ForwardContext, cache: KVCache) -> Tensor:
         """Hidden states after the final norm, ``(B, T, dim)``; the caller picks rows for ``logits``."""
-        assert self.rope_cos is not None and self.rope_sin is not None
-        self.kernels.small = ctx.small
         x = self.tok_embeddings(tokens)  # (B, T, dim)
-        cos = self.rope_cos[ctx.pos].unsqueeze(2)  # (B, T, 1, hs)
-        sin = self.rope_sin[ctx.pos].unsqueeze(2)
-        if self.scripted is not None and tokens.shape[1] == 1 and self.scripted.covers(ctx.small):
-            x = self.scripted(x, cos, sin, cache.k, cache.v, ctx)
-        else:
-            for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-                x = layer.forward(x, cos, sin, k_cache, v_cache, ctx)
+        cos, sin = self.rope(ctx.pos)
+        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
+            x = layer.forward(x, cos, sin, k_cache, v_cache, ctx)
         return self.norm(x)
+
+    def rope(self, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and signed sin at ``pos`` (B, T), as (B, T, 1, head_dim): one row for every head."""
+        assert self.rope_cos is not None and self.rope_sin is not None
+        return self.rope_cos[pos].unsqueeze(2), self.rope_sin[pos].unsqueeze(2)
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.output(hidden).float()  # (..., vocab)
