@@ -19,8 +19,6 @@ import torch
 from bench.prompts import LONG
 from trtserver.engine.torch.cpu import accelerate
 from trtserver.engine.torch.engine import TorchEngine
-from trtserver.engine.torch.model import ForwardContext
-from trtserver.engine.torch.runner import attention_length
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,10 +30,7 @@ def score(engine: TorchEngine, ids: list[int], small: bool) -> tuple[list[float]
     model, device = core.model, core.device
     logprobs, top1 = [], []
     for i in range(len(ids) - 1):
-        pos = torch.tensor([[i]], device=device)
-        length = min(attention_length(i + 1), core.max_len + 1)
-        ctx = ForwardContext(pos, torch.tensor([0], device=device), 0, length,
-                             (runner.positions[:length] <= pos).view(1, 1, 1, length), dense=runner.dense, small=small)
+        ctx = runner.decode_context([0], [i], small=small)
         hidden = runner.forward(torch.tensor([[ids[i]]], device=device), ctx)
         lp = torch.log_softmax(model.logits(hidden[:, 0]).float(), dim=-1)[0]
         logprobs.append(lp[ids[i + 1]].item())

@@ -20,7 +20,7 @@ from trtserver.engine.torch.cpu import accelerate
 from trtserver.engine.torch.cpu.scripted import ScriptedDecode
 from trtserver.engine.torch.cpu.weights import pack_for_cpu, quantize_weights
 from trtserver.engine.torch.model import ForwardContext, Transformer, load_model
-from trtserver.engine.torch.runner import ModelRunner, attention_length
+from trtserver.engine.torch.runner import ModelRunner
 
 SLOTS, MAX_LEN = 6, 96
 
@@ -32,18 +32,6 @@ def _filled_cache(model: Transformer) -> KVCache:
     for t in (*cache.k, *cache.v):  # earlier tokens' keys and values for attention to read
         t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
     return cache
-
-
-def _decode_ctx(slots: list[int], positions: list[int], cache: KVCache, *, small: bool) -> ForwardContext:
-    """As ``ModelRunner.decode`` builds it."""
-    B = len(slots)
-    pos = torch.tensor(positions).unsqueeze(1)
-    length = attention_length(max(positions) + 1)
-    mask = (torch.arange(length) <= pos).view(B, 1, 1, length)
-    first = slots[0]
-    start = first if slots == list(range(first, first + B)) else None
-    dense = cache.dense if cache.k[0].dtype == torch.bfloat16 else None
-    return ForwardContext(pos, torch.tensor(slots), start, length, mask, dense=dense, small=small)
 
 
 def _runner(model: Transformer, cache: KVCache, decode: ScriptedDecode | None) -> ModelRunner:
@@ -59,11 +47,11 @@ def _run_both(model: Transformer, fast: ScriptedDecode | None, slots: list[int],
     assert fast is not None and fast.covers(small)
     tokens = torch.tensor([[7 + 3 * i] for i in range(len(slots))])
     eager_cache, script_cache = _filled_cache(model), _filled_cache(model)
+    eager, script = _runner(model, eager_cache, None), _runner(model, script_cache, fast)
     with torch.inference_mode():
-        eager_ctx = _decode_ctx(slots, positions, eager_cache, small=small if eager_small is None else eager_small)
-        want = _runner(model, eager_cache, None).forward(tokens, eager_ctx)
-        got = _runner(model, script_cache, fast).forward(tokens, _decode_ctx(slots, positions, script_cache,
-                                                                             small=small))
+        eager_ctx = eager.decode_context(slots, positions, small=small if eager_small is None else eager_small)
+        want = eager.forward(tokens, eager_ctx)
+        got = script.forward(tokens, script.decode_context(slots, positions, small=small))
     return want, got, eager_cache, script_cache
 
 
@@ -141,9 +129,9 @@ def test_prefill_and_adapter_batches_keep_the_eager_layers(smol_int4: tuple[Tran
         runner.forward(torch.ones(1, 4, dtype=torch.long), ForwardContext(pos, torch.tensor([0]), 0, 4, None,
                                                                           causal=True))
         one = torch.ones(1, 1, dtype=torch.long)
-        runner.forward(one, _decode_ctx([0], [4], cache, small=True), adapters=True)
+        runner.forward(one, runner.decode_context([0], [4], small=True), adapters=True)
         with pytest.raises(AssertionError, match="scripted decode ran"):  # while a decode does take it
-            runner.forward(one, _decode_ctx([0], [4], cache, small=True))
+            runner.forward(one, runner.decode_context([0], [4], small=True))
 
 
 def test_wrapped_projections_are_left_to_the_eager_layers(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from trtserver.engine.torch.attention import decode_attention
 from trtserver.engine.torch.model import ForwardContext
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ class DecodeGraphs:
         rows, length = bucket
         runner, pos = self.runner, self.pos[:rows]
         mask = (runner.positions[:length] <= pos).view(rows, 1, 1, length)  # (rows, 1, 1, L)
-        ctx = ForwardContext(pos, self.slots[:rows], 0, length, mask)
+        ctx = ForwardContext(pos, self.slots[:rows], 0, length, mask, attend=decode_attention)
         hidden = runner.model(self.tokens[:rows], ctx, runner.cache)  # (rows, 1, dim)
         return runner.model.logits(hidden[:, 0])  # (rows, V)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,9 +71,22 @@ class ModelArgs:
         )
 
 
+def sdpa_attention(q: Tensor, keys: Tensor, values: Tensor, ctx: ForwardContext) -> Tensor:
+    """``q`` (B, T, nh, hs) against the live K/V (B, nkv, L, hs), masked as ``ctx`` says; (B, T, nh * hs)."""
+    B, T, nh, hs = q.shape
+    y = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys, values,  # (B, nh, T, hs) against (B, nkv, L, hs)
+        attn_mask=ctx.mask, is_causal=ctx.causal, enable_gqa=nh != keys.shape[1],
+    )  # (B, nh, T, hs)
+    return y.transpose(1, 2).reshape(B, T, nh * hs)
+
+
+Attend = Callable[[Tensor, Tensor, Tensor, "ForwardContext"], Tensor]
+
+
 @dataclass(slots=True)
 class ForwardContext:
-    """Where a batch's tokens sit in the cache. ``B`` rows of ``T`` tokens."""
+    """Where a batch's tokens sit in the cache, and how they attend. ``B`` rows of ``T`` tokens."""
 
     pos: Tensor  # (B, T) position of each token; padding points at the cache's scratch position
     slots: Tensor  # (B,) KV slot of each row
@@ -80,8 +94,9 @@ class ForwardContext:
     length: int  # keys to attend over (the longest live length in the batch)
     mask: Tensor | None  # (B, 1, T, length) True = attend; None = every key visible, or causal
     causal: bool = False  # prefill of one prompt from position 0: T == length, no mask needed
-    small: bool = False  # a decode batch that takes the small-batch kernels (runner.SMALL_BATCH)
-    dense: tuple[Tensor, Tensor] | None = None  # flat K, V buffers: decode copies the live keys there (bf16 CPU)
+    attend: Attend = sdpa_attention  # the runner gives decode steps theirs (attention.py, cpu/attention.py)
+    small: bool = False  # the runner's: a decode batch that takes the small-batch kernels (runner.SMALL_BATCH)
+    dense: tuple[Tensor, Tensor] | None = None  # the runner's: flat K, V buffers (cpu/attention.dense_attention)
     _rows: Tensor | None = None
     _additive_mask: Tensor | None = None
 
@@ -142,47 +157,10 @@ class Attention(nn.Module):
         if ctx.slot_start is not None:
             keys = k_cache[ctx.slot_start:ctx.slot_start + B, :, :ctx.length]  # (B, nkv, L, hs), a view
             values = v_cache[ctx.slot_start:ctx.slot_start + B, :, :ctx.length]
-            if ctx.dense is not None and T == 1 and not ctx.small:
-                keys, values = into_buffer(keys, ctx.dense[0]), into_buffer(values, ctx.dense[1])
         else:
             keys = k_cache[ctx.slots, :, :ctx.length]  # (B, nkv, L, hs), gathered
             values = v_cache[ctx.slots, :, :ctx.length]
-        if ctx.small:
-            y = small_decode_attention(q.transpose(1, 2), keys, values, ctx.additive_mask())  # (B, nh, 1, hs)
-            return self.wo.forward(y.view(B, 1, nh * hs))
-        if T == 1:
-            y = bmm_decode_attention(q, keys, values, ctx.mask)  # (B, nkv, g, hs)
-            return self.wo.forward(y.view(B, 1, nh * hs))
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values,  # (B, nh, T, hs) against (B, nkv, L, hs)
-            attn_mask=ctx.mask, is_causal=ctx.causal, enable_gqa=nh != nkv,
-        )  # (B, nh, T, hs)
-        return self.wo(y.transpose(1, 2).reshape(B, T, nh * hs))
-
-
-def small_decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
-    """A few rows' decode attention in float32 SDPA: 2-3x faster than bfloat16 matmuls with 3 query rows
-    per kv head (at 16 rows the bmm below wins; the conversion reads K/V once more). ``q`` (B, nh, 1, hs)
-    against (B, nkv, L, hs); ``mask`` additive (``ForwardContext.additive_mask``); returns q's dtype."""
-    return F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask,
-                                          enable_gqa=q.shape[1] != keys.shape[1]).to(q.dtype)
-
-
-def bmm_decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
-    """Decode attention as two small matmuls, which beat the flash kernel for one query row: ``q`` any
-    shape holding (B, nh, hs), q head j*g + i reading kv head j, against (B, nkv, L, hs); ``mask`` boolean
-    (B, 1, 1, L), True = attend. Scores and softmax in float32; returns (B, nkv, g, hs)."""
-    B, nkv, _, hs = keys.shape
-    scores = (q.reshape(B, nkv, -1, hs) @ keys.transpose(-1, -2)).float() * (hs ** -0.5)  # (B, nkv, g, L)
-    if mask is not None:
-        scores.masked_fill_(~mask, float("-inf"))
-    return scores.softmax(dim=-1).to(values.dtype) @ values
-
-
-def into_buffer(t: Tensor, buffer: Tensor) -> Tensor:
-    """``t`` copied into the front of a flat, reused buffer: oneDNN's bf16 bmm on the cache's strided
-    view is slower than this copy plus the dense bmm (1.5-2.5x per layer at 4-16 rows; same numbers)."""
-    return buffer[:t.numel()].view(t.shape).copy_(t)
+        return self.wo.forward(ctx.attend(q, keys, values, ctx))  # (B, T, nh * hs) in
 
 
 class FeedForward(nn.Module):

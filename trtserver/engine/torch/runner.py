@@ -3,7 +3,8 @@
 
 A prefill forward runs the eager layers (``model.py``). A decode step takes, in this order: a captured CUDA
 graph (``graphs.py``; batches without adapters), the CPU decode function (``cpu.accelerate``: one
-TorchScript call for every layer; batches without adapters, on the paths it covers), else the eager layers.
+TorchScript call for every layer; batches without adapters, on the paths it covers), else the eager layers,
+with the decode attention for its batch (``attention.py``, ``cpu/attention.py``).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
+from trtserver.engine.torch.attention import decode_attention
 from trtserver.engine.torch.cache import KVCache
+from trtserver.engine.torch.cpu.attention import dense_attention, small_attention
 from trtserver.engine.torch.cpu.weights import kernel_switch
-from trtserver.engine.torch.model import ForwardContext, Transformer
+from trtserver.engine.torch.model import Attend, ForwardContext, Transformer, sdpa_attention
 
 if TYPE_CHECKING:
     from trtserver.engine.torch.graphs import DecodeGraphs
@@ -78,7 +81,9 @@ class ModelRunner:
         causal = B == 1 and chunks[0].start == 0
         pos = pos.to(self.device)
         mask = None if causal else (self.positions[:length] <= pos.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, L)
-        ctx = ForwardContext(pos, torch.tensor(slots, device=self.device), contiguous(slots), length, mask, causal)
+        attend = decode_attention if T == 1 else sdpa_attention  # a one-token chunk attends as a decode step
+        ctx = ForwardContext(pos, torch.tensor(slots, device=self.device), contiguous(slots), length, mask, causal,
+                             attend)
         adapters = self.lora is not None and self.lora.bind([c.group.adapter for c in chunks])
         self.use_threads(sum(c.end - c.start for c in chunks))
         return self.forward(tokens.to(self.device), ctx, adapters=adapters)
@@ -88,18 +93,23 @@ class ModelRunner:
         adapters = self.lora is not None and self.lora.bind([s.group.adapter for s in seqs])
         if self.graphs is not None and not adapters:  # graphs are captured without adapters
             return self.graphs.decode(seqs)  # (B, V), from a captured CUDA graph
-        B = len(seqs)
-        slots = [s.slot for s in seqs]
-        positions = [s.num_cached for s in seqs]
+        ctx = self.decode_context([s.slot for s in seqs], [s.num_cached for s in seqs])
         tokens = torch.tensor([[s.last_token] for s in seqs], device=self.device)  # (B, 1)
+        self.use_threads(len(seqs))
+        hidden = self.forward(tokens, ctx, adapters=adapters)  # (B, 1, dim)
+        return self.model.logits(hidden[:, 0])  # (B, V)
+
+    def decode_context(self, slots: list[int], positions: list[int], *, small: bool | None = None) -> ForwardContext:
+        """A decode step's rows, one token each at ``positions``; ``small`` (by default: up to
+        ``small_batch`` rows) takes the small-batch kernels."""
+        B = len(slots)
+        small = B <= self.small_batch if small is None else small
         pos = torch.tensor(positions, device=self.device).unsqueeze(1)  # (B, 1)
         length = min(attention_length(max(positions) + 1), self.max_len + 1)
         mask = (self.positions[:length] <= pos).view(B, 1, 1, length)  # (B, 1, 1, L)
-        ctx = ForwardContext(pos, torch.tensor(slots, device=self.device), contiguous(slots), length, mask,
-                             dense=self.dense, small=B <= self.small_batch)
-        self.use_threads(B)
-        hidden = self.forward(tokens, ctx, adapters=adapters)  # (B, 1, dim)
-        return self.model.logits(hidden[:, 0])  # (B, V)
+        attend: Attend = small_attention if small else decode_attention if self.dense is None else dense_attention
+        return ForwardContext(pos, torch.tensor(slots, device=self.device), contiguous(slots), length, mask,
+                              attend=attend, small=small, dense=self.dense)
 
     def forward(self, tokens: Tensor, ctx: ForwardContext, *, adapters: bool = False) -> Tensor:
         """``model(tokens, ctx, cache)``, through the accelerated decode where it covers a one-token

@@ -32,13 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trtserver.engine.torch.model import (
-    apply_rope,
-    bmm_decode_attention,
-    into_buffer,
-    rms_norm,
-    small_decode_attention,
-)
+from trtserver.engine.torch.attention import bmm_decode_attention
+from trtserver.engine.torch.cpu.attention import into_buffer, small_decode_attention
+from trtserver.engine.torch.model import apply_rope, rms_norm
 
 if TYPE_CHECKING:
     from collections.abc import Callable
