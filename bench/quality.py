@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @torch.inference_mode()
 def score(engine: TorchEngine, ids: list[int], small: bool) -> tuple[list[float], list[int]]:
     """Logprob of each next token of ``ids`` and the top-1 prediction, one decode step per token."""
-    core, runner = engine.core, engine.core.runner
+    core, runner = engine.core, engine.core.model_runner
     model, device = core.model, core.device
     logprobs, top1 = [], []
     for i in range(len(ids) - 1):
@@ -62,7 +62,7 @@ def main() -> None:
             ("bfloat16, with the fused RMSNorm and RoPE of kernels.cpp (the default where they build)", False, fused),
             ("small-batch kernels (float32 attention, int4 + refined head), as ATen calls", True, unfused),
             ("small-batch kernels, through the fused CPU kernels (the default where they build)", True, fused)):
-        engine.core.runner.accelerated = decode
+        engine.core.model_runner.accelerated = decode
         if decode is fused and not (fused is not None and (fused.fused_small if small else fused.fused_batch)):
             label += " [the kernels did not build: ATen calls]"
         lps, top = score(engine, ids, small=small)

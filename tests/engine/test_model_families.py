@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from trtserver.engine.base import GenerationRequest, SamplingParams
 from trtserver.engine.torch.core import EngineCore
 from trtserver.engine.torch.model import load_model
-from trtserver.engine.torch.runner import SMALL_BATCH, attention_length
+from trtserver.engine.torch.model_runner import SMALL_BATCH, attention_length
 
 V, D, LAYERS, H, KV, FF = 96, 64, 2, 4, 2, 80
 HS = D // H

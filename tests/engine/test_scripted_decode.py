@@ -1,4 +1,4 @@
-"""The scripted decode (``cpu/scripted.py``), as the runner calls it, against the eager layers it stands
+"""The scripted decode (``cpu/scripted.py``), as the model runner calls it, against the eager layers it stands
 in for: the same hidden states and the same K/V written, bit for bit, on both of its paths (small
 batches with int4 / int8 projections; larger batches and unquantized models with pre-packed ones), on
 the real SmolLM2 and on tiny Llama / Qwen2 (q/k/v biases) checkpoints; and the models and batches it
@@ -20,7 +20,7 @@ from trtserver.engine.torch.cpu import accelerate
 from trtserver.engine.torch.cpu.scripted import ScriptedDecode
 from trtserver.engine.torch.cpu.weights import pack_for_cpu, quantize_weights
 from trtserver.engine.torch.model import ForwardContext, Transformer, load_model
-from trtserver.engine.torch.runner import ModelRunner
+from trtserver.engine.torch.model_runner import ModelRunner
 
 SLOTS, MAX_LEN = 6, 96
 

@@ -1,4 +1,4 @@
-"""Decode attention for one query row per sequence, a ``ForwardContext.attend`` the runner gives decode
+"""Decode attention for one query row per sequence, a ``ForwardContext.attend`` the model runner gives decode
 steps (the model's own, for prefill, is SDPA: ``model.sdpa_attention``). Each takes q (B, T, nh, hs) and
 the live K/V (B, nkv, L, hs) and returns (B, T, nh * hs). The CPU's variants are in ``cpu/attention.py``.
 """

@@ -22,8 +22,8 @@ from trtserver.engine.base import EngineStats, FinishReason, GenerationRequest, 
 from trtserver.engine.torch.beam import BeamState
 from trtserver.engine.torch.cache import KVCache
 from trtserver.engine.torch.model import Transformer
+from trtserver.engine.torch.model_runner import DecodeFn, ModelRunner
 from trtserver.engine.torch.prepare import Preparer
-from trtserver.engine.torch.runner import DecodeFn, ModelRunner
 from trtserver.engine.torch.sampler import Sampler, row_error
 from trtserver.engine.torch.scheduler import PrefillChunk, Scheduler
 from trtserver.engine.torch.sequence import Group, Sequence
@@ -41,12 +41,12 @@ class EngineCore:
                  small_batch: int = 0, threads: tuple[int, int] | None = None, lora: LoraManager | None = None,
                  decode: DecodeFn | None = None) -> None:
         """``small_batch``, ``threads``, ``lora`` and ``decode`` (the accelerated decode) go to the
-        model's runner (``runner.ModelRunner``)."""
+        model's runner (``model_runner.ModelRunner``)."""
         args = model.args
         dtype = model.tok_embeddings.weight.dtype
         self.model, self.device, self.max_len = model, device, max_len
         self.cache = KVCache(args.n_layers, num_slots, args.n_kv_heads, max_len, args.head_dim, dtype, device)
-        self.runner = ModelRunner(model, self.cache, device=device, max_len=max_len, small_batch=small_batch,
+        self.model_runner = ModelRunner(model, self.cache, device=device, max_len=max_len, small_batch=small_batch,
                                   threads=threads, lora=lora, decode=decode)
         self.scheduler = Scheduler(num_slots, chunk_size)
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -60,8 +60,8 @@ class EngineCore:
 
     @property
     def lora(self) -> LoraManager | None:
-        """The adapters, when the server has an adapters directory (the runner binds them)."""
-        return self.runner.lora
+        """The adapters, when the server has an adapters directory (the model runner binds them)."""
+        return self.model_runner.lora
 
     # ---- requests --------------------------------------------------------------------------
     def add(self, request: GenerationRequest) -> Group:
@@ -223,7 +223,7 @@ class EngineCore:
         return self.drain()
 
     def _prefill(self, chunks: list[PrefillChunk]) -> None:
-        hidden = self.runner.prefill(chunks)  # (B, T, dim)
+        hidden = self.model_runner.prefill(chunks)  # (B, T, dim)
         self.num_prefill_forwards += 1
 
         last_rows: list[Tensor] = []
@@ -282,7 +282,7 @@ class EngineCore:
             self._sample(logits[rows], seqs)
 
     def _decode(self, seqs: list[Sequence]) -> None:
-        logits = self.runner.decode(seqs)  # (B, V)
+        logits = self.model_runner.decode(seqs)  # (B, V)
         self.num_decode_forwards += 1
         for seq in seqs:
             seq.num_cached += 1

@@ -23,7 +23,7 @@ from trtserver.engine.torch.attention import decode_attention
 from trtserver.engine.torch.model import ForwardContext
 
 if TYPE_CHECKING:
-    from trtserver.engine.torch.runner import ModelRunner
+    from trtserver.engine.torch.model_runner import ModelRunner
     from trtserver.engine.torch.sequence import Sequence
 
 log = logging.getLogger(__name__)

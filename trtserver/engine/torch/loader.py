@@ -72,7 +72,7 @@ def auto_quantization(config: ServerConfig, manifest: Manifest, device: torch.de
 def small_batch(config: ServerConfig, device: torch.device, dtype: torch.dtype) -> int:
     """Small decode batches take kernels of their own on a bfloat16 CPU (float32 attention, int4);
     never where every batch size must compute alike."""
-    from trtserver.engine.torch.runner import SMALL_BATCH
+    from trtserver.engine.torch.model_runner import SMALL_BATCH
 
     on = device.type == "cpu" and dtype == torch.bfloat16 and not config.batch_invariant
     return SMALL_BATCH if on else 0
@@ -140,7 +140,7 @@ def load(path: Path, config: ServerConfig, placement: Placement, *, eos_token_id
     if device.type == "cuda" and config.cuda_graphs:
         from trtserver.engine.torch.graphs import capture_decode_graphs
 
-        capture_decode_graphs(core.runner, all_rows=config.batch_invariant)
+        capture_decode_graphs(core.model_runner, all_rows=config.batch_invariant)
     log.info("torch engine: %s on %s as %s, %d slots x %d positions, loaded in %.1fs", path.name, device,
              str(dtype).removeprefix("torch."), config.max_batch_size, max_len, time.perf_counter() - t0)
     return Loaded(core, lora, dtype)

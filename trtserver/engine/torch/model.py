@@ -3,9 +3,10 @@
 Built on the meta device and loaded from Hugging Face safetensors with ``assign=True``, so no
 weight is allocated twice. q/k/v and gate/up are fused into one matmul each at load time.
 Attention reads K/V from the static cache (``cache.py``) over the live length only (in decode,
-rounded up to a few fixed lengths and masked: ``runner.attention_length``). The model knows nothing
-of how it is run faster: the runner (``runner.py``) swaps in CPU weight formats and decode functions
-(``cpu/``) or CUDA graphs (``graphs.py``) around it.
+rounded up to a few fixed lengths and masked: ``model_runner.attention_length``) with the attention its
+``ForwardContext`` names. The model knows nothing of how it is run faster: the loader swaps in CPU weight
+formats (``cpu/weights.py``), and the model runner (``model_runner.py``) picks each step's attention and
+whether a CPU decode function (``cpu/``) or a CUDA graph (``graphs.py``) runs in its place.
 
 The layers call their submodules' ``forward`` directly: ``nn.Module.__call__`` checks for hooks
 (none are used here; LoRA swaps modules instead) at ~2 µs a call, ~270 calls per decode step, which
@@ -94,9 +95,10 @@ class ForwardContext:
     length: int  # keys to attend over (the longest live length in the batch)
     mask: Tensor | None  # (B, 1, T, length) True = attend; None = every key visible, or causal
     causal: bool = False  # prefill of one prompt from position 0: T == length, no mask needed
-    attend: Attend = sdpa_attention  # the runner gives decode steps theirs (attention.py, cpu/attention.py)
-    small: bool = False  # the runner's: a decode batch that takes the small-batch kernels (runner.SMALL_BATCH)
-    dense: tuple[Tensor, Tensor] | None = None  # the runner's: flat K, V buffers (cpu/attention.dense_attention)
+    attend: Attend = sdpa_attention  # the model runner gives decode steps theirs (attention.py, cpu/attention.py)
+    # the model runner's, not the model's: a decode batch on the small-batch kernels (model_runner.SMALL_BATCH)
+    small: bool = False
+    dense: tuple[Tensor, Tensor] | None = None  # the model runner's: flat K, V buffers (cpu/attention.py)
     _rows: Tensor | None = None
     _additive_mask: Tensor | None = None
 

@@ -6,7 +6,7 @@ the same calls on the same tensors, so the results are the same bits, for less (
 docs/perf-decisions.md).
 
 Two functions, one per eager decode path of ``model.py``:
-- ``_small_decode``: batches of up to ``runner.SMALL_BATCH`` rows with int4 / int8 weight-only projections
+- ``_small_decode``: batches of up to ``model_runner.SMALL_BATCH`` rows with int4 / int8 weight-only projections
   (``weights.py``), float32 RMSNorm and SDPA;
 - ``_batch_decode``: larger batches, and every decode of a model without the small-batch kernels
   (float32, unquantized), through oneDNN's pre-packed projections and the bmm attention (the K/V
@@ -17,7 +17,7 @@ a dozen calls per layer instead of ~40 (one row a further 0.72×, sixteen 0.89×
 in their own order, so they are close to the eager layers, not bit for bit.
 
 Prefill stays eager (its GEMMs dwarf the calls), and so do CUDA (it has its graphs) and, on a LoRA
-server, the batches with an adapter (the runner sends those to the eager layers; its base batches
+server, the batches with an adapter (the model runner sends those to the eager layers; its base batches
 take the ATen-call functions on the bare projections). TorchScript is deprecated in recent torch releases: where
 ``torch.jit.script`` is missing or fails, the eager layers run.
 """
@@ -176,7 +176,7 @@ def _batch_decode(x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v
 
 class ScriptedDecode:
     """A decode step of ``model`` (embedding to final norm) through its layers as one TorchScript call,
-    where it ``covers`` the step's path (small batch or not); the runner calls it instead of the model
+    where it ``covers`` the step's path (small batch or not); the model runner calls it instead of the model
     for batches without adapters."""
 
     def __init__(self, model: Transformer, small: Callable[..., Tensor] | None, batch: Callable[..., Tensor] | None,

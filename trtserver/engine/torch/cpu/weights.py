@@ -1,6 +1,6 @@
 """Weight formats of the CPU engine: oneDNN's pre-packed bfloat16 and weight-only int4 / int8.
 
-The quantized projections serve only the small-batch path (``KernelSwitch``, which the runner sets
+The quantized projections serve only the small-batch path (``KernelSwitch``, which the model runner sets
 before each forward); each keeps a pre-packed bfloat16 copy for prefill and larger batches.
 """
 
