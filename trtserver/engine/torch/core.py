@@ -47,7 +47,7 @@ class EngineCore:
         self.model, self.device, self.max_len = model, device, max_len
         self.cache = KVCache(args.n_layers, num_slots, args.n_kv_heads, max_len, args.head_dim, dtype, device)
         self.model_runner = ModelRunner(model, self.cache, device=device, max_len=max_len, small_batch=small_batch,
-                                  threads=threads, lora=lora, decode=decode)
+                                        threads=threads, lora=lora, decode=decode)
         self.scheduler = Scheduler(num_slots, chunk_size)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sampler = Sampler(args.vocab_size, tuple(eos_token_ids), device, seed)
