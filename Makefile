@@ -40,7 +40,7 @@ system-packages:
 engines: install
 	$(VENV)/bin/trtserver build $(if $(MODEL),--model "$(MODEL)") $(if $(NAME),--name "$(NAME)")
 	@# the fused CPU kernels, compiled once here (~30 s) so that start-up only loads them; optional
-	-@$(PY) -m trtserver.engine.torch.kernels
+	-@$(PY) -m trtserver.engine.torch.cpu.kernels
 
 serve: engines
 	$(VENV)/bin/trtserver serve $(ENGINE_DIR) --host $(HOST) --port $(PORT)

@@ -17,10 +17,8 @@ from pathlib import Path
 import torch
 
 from bench.prompts import LONG
-from trtserver.engine.torch import scripted
-from trtserver.engine.torch.core import attention_length
+from trtserver.engine.torch.cpu import accelerate
 from trtserver.engine.torch.engine import TorchEngine
-from trtserver.engine.torch.model import ForwardContext
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,15 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 @torch.inference_mode()
 def score(engine: TorchEngine, ids: list[int], small: bool) -> tuple[list[float], list[int]]:
     """Logprob of each next token of ``ids`` and the top-1 prediction, one decode step per token."""
-    core = engine.core
+    core, runner = engine.core, engine.core.model_runner
     model, device = core.model, core.device
     logprobs, top1 = [], []
     for i in range(len(ids) - 1):
-        pos = torch.tensor([[i]], device=device)
-        length = min(attention_length(i + 1), core.max_len + 1)
-        ctx = ForwardContext(pos, torch.tensor([0], device=device), 0, length,
-                             (core._positions[:length] <= pos).view(1, 1, 1, length), dense=core._dense, small=small)
-        hidden = model(torch.tensor([[ids[i]]], device=device), ctx, core.cache)
+        ctx = runner.decode_context([0], [i], small=small)
+        hidden = runner.forward(torch.tensor([[ids[i]]], device=device), ctx)
         lp = torch.log_softmax(model.logits(hidden[:, 0]).float(), dim=-1)[0]
         logprobs.append(lp[ids[i + 1]].item())
         top1.append(int(lp.argmax()))
@@ -60,14 +55,14 @@ def main() -> None:
     print("| path | perplexity | top-1 = float32's | largest logprob difference from float32 |")
     print("|---|---:|---:|---:|")
     print(f"| float32 (the GGUF's weights dequantized) | {math.exp(-sum(ref) / n):.3f} | - | - |")
-    fused = engine.core.model.scripted
-    unfused = scripted.build(engine.core.model, fused=False)
+    fused = accelerate(engine.core.model)
+    unfused = accelerate(engine.core.model, fused=False)
     for label, small, decode in (
             ("bfloat16 (batches above 4 rows; --batch-invariant), as ATen calls", False, unfused),
             ("bfloat16, with the fused RMSNorm and RoPE of kernels.cpp (the default where they build)", False, fused),
             ("small-batch kernels (float32 attention, int4 + refined head), as ATen calls", True, unfused),
             ("small-batch kernels, through the fused CPU kernels (the default where they build)", True, fused)):
-        engine.core.model.scripted = decode
+        engine.core.model_runner.accelerated = decode
         if decode is fused and not (fused is not None and (fused.fused_small if small else fused.fused_batch)):
             label += " [the kernels did not build: ATen calls]"
         lps, top = score(engine, ids, small=small)

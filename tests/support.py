@@ -43,7 +43,7 @@ class BanToken:
 
 
 def _cpu_packs_bfloat16() -> bool:
-    from trtserver.engine.torch.cpu_weights import can_pack_for_cpu
+    from trtserver.engine.torch.cpu.weights import can_pack_for_cpu
 
     return can_pack_for_cpu(torch.bfloat16)
 

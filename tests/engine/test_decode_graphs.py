@@ -13,13 +13,14 @@ from trtserver.engine.base import GenerationRequest, SamplingParams
 from trtserver.engine.torch.core import EngineCore
 from trtserver.engine.torch.graphs import Bucket, DecodeGraphs, powers_of_two
 from trtserver.engine.torch.model import Transformer, load_model
+from trtserver.engine.torch.model_runner import ModelRunner
 
 
 class EagerGraphs(DecodeGraphs):
     """``run`` computes the bucket's step instead of replaying its graph, and records the bucket."""
 
-    def __init__(self, core: EngineCore, **kwargs: object) -> None:
-        super().__init__(core, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, runner: ModelRunner, **kwargs: object) -> None:
+        super().__init__(runner, **kwargs)  # type: ignore[arg-type]
         self.replayed: list[tuple[Bucket, list[int]]] = []
 
     def decode(self, seqs: list) -> Tensor:  # type: ignore[type-arg]
@@ -41,7 +42,7 @@ def generate(model: Transformer, graphs: dict[str, object] | None) -> tuple[dict
     core = EngineCore(model, num_slots=4, max_len=300, chunk_size=64, eos_token_ids=[0],
                       device=torch.device("cpu"), seed=0)
     if graphs is not None:
-        core.graphs = EagerGraphs(core, **graphs)
+        core.model_runner.graphs = EagerGraphs(core.model_runner, **graphs)
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
     core.add(GenerationRequest("alone", list(range(100, 140)), greedy))
     out: dict[tuple[str, int], list[tuple[int, float]]] = {}
@@ -54,7 +55,7 @@ def generate(model: Transformer, graphs: dict[str, object] | None) -> tuple[dict
             core.add(GenerationRequest("pair", list(range(200, 290)), greedy, n=2))
         if steps == 6:
             core.add(GenerationRequest("late", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0, logprobs=0)))
-    return out, core.graphs
+    return out, core.model_runner.graphs
 
 
 def assert_same(a: dict, b: dict) -> None:  # type: ignore[type-arg]

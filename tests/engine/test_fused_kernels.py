@@ -18,9 +18,10 @@ from torch import Tensor
 from tests.engine.test_model_families import make_checkpoint
 from tests.engine.test_scripted_decode import MAX_LEN, _run_both
 from tests.support import NEEDS_BF16_PACKING
-from trtserver.engine.torch import kernels, scripted
 from trtserver.engine.torch.cache import KVCache
-from trtserver.engine.torch.cpu_weights import pack_for_cpu, quantize_weights
+from trtserver.engine.torch.cpu import accelerate, kernels
+from trtserver.engine.torch.cpu.scripted import ScriptedDecode
+from trtserver.engine.torch.cpu.weights import pack_for_cpu, quantize_weights
 from trtserver.engine.torch.model import Transformer, apply_rope, load_model
 
 NH, NKV, HS = 9, 3, 64
@@ -126,13 +127,13 @@ def test_kernels_refuse_what_they_cannot_read(ops) -> None:  # type: ignore[no-u
 
 
 @pytest.fixture(scope="module")
-def smol_fused(smol_dir: Path, ops) -> Transformer:  # type: ignore[no-untyped-def]
+def smol_fused(smol_dir: Path, ops) -> tuple[Transformer, ScriptedDecode]:  # type: ignore[no-untyped-def]
     model = load_model(smol_dir, torch.bfloat16, torch.device("cpu"))
     quantize_weights(model, "int4")
     model.setup_rope(MAX_LEN)
-    model.scripted = scripted.build(model)
-    assert model.scripted is not None and model.scripted.fused_small and model.scripted.fused_batch
-    return model
+    decode = accelerate(model)
+    assert decode is not None and decode.fused_small and decode.fused_batch
+    return model, decode
 
 
 CASES = [([0], [5]), ([1, 2, 3], [40, 3, 17]), ([4, 0], [20, 33])]
@@ -158,10 +159,10 @@ def _agree(model: Transformer, slots: list[int], positions: list[int], want: Ten
 @NEEDS_BF16_PACKING
 @pytest.mark.parametrize("small", [True, False], ids=["small-int4", "batch-packed"])
 @pytest.mark.parametrize(("slots", "positions"), CASES)
-def test_fused_decode_follows_the_eager_layers(smol_fused: Transformer, slots: list[int], positions: list[int],
-                                               small: bool) -> None:
-    want, got, eager_cache, fused_cache = _run_both(smol_fused, slots, positions, small=small)
-    _agree(smol_fused, slots, positions, want, got, eager_cache, fused_cache)
+def test_fused_decode_follows_the_eager_layers(smol_fused: tuple[Transformer, ScriptedDecode], slots: list[int],
+                                               positions: list[int], small: bool) -> None:
+    want, got, eager_cache, fused_cache = _run_both(*smol_fused, slots, positions, small=small)
+    _agree(smol_fused[0], slots, positions, want, got, eager_cache, fused_cache)
 
 
 @NEEDS_BF16_PACKING
@@ -171,9 +172,9 @@ def test_fused_batch_decode_follows_the_eager_batch_path(smol_dir: Path, ops, sl
     model = load_model(smol_dir, torch.bfloat16, torch.device("cpu"))
     pack_for_cpu(model)  # unquantized: only the batch path is scripted
     model.setup_rope(MAX_LEN)
-    model.scripted = scripted.build(model)
-    assert model.scripted is not None and model.scripted.fused_batch and not model.scripted.covers(True)
-    want, got, eager_cache, fused_cache = _run_both(model, slots, positions, small=False)
+    decode = accelerate(model)
+    assert decode is not None and decode.fused_batch and not decode.covers(True)
+    want, got, eager_cache, fused_cache = _run_both(model, decode, slots, positions, small=False)
     _agree(model, slots, positions, want, got, eager_cache, fused_cache)
 
 
@@ -182,7 +183,7 @@ def test_without_the_kernels_the_scripted_aten_calls_run(smol_dir: Path, monkeyp
     monkeypatch.setattr(kernels, "load", lambda **_: False)  # no compiler on this machine
     model = load_model(smol_dir, torch.bfloat16, torch.device("cpu"))
     quantize_weights(model, "int8")
-    decode = scripted.build(model)
+    decode = accelerate(model)
     assert decode is not None and (decode.fused_small, decode.fused_batch) == (False, False)
     assert decode.covers(True) and decode.covers(False)
 
@@ -192,9 +193,9 @@ def test_fused_int8_with_qkv_biases_follows_the_eager_layers(tmp_path: Path, ops
     model = load_model(tmp_path, torch.bfloat16, torch.device("cpu"))
     quantize_weights(model, "int8")
     model.setup_rope(MAX_LEN)
-    model.scripted = scripted.build(model)
-    assert model.scripted is not None and model.scripted.fused_small
-    want, got, _, _ = _run_both(model, [2, 0], [9, 30], small=True)
+    decode = accelerate(model)
+    assert decode is not None and decode.fused_small
+    want, got, _, _ = _run_both(model, decode, [2, 0], [9, 30], small=True)
     assert torch.allclose(got.float(), want.float(), rtol=0.05, atol=0.05 * want.float().abs().max().item())
 
 

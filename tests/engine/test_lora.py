@@ -215,7 +215,7 @@ async def test_only_batches_without_adapters_take_the_scripted_decode(lora_engin
                                                                     monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """It runs the bare projections (and, on a LoRA server, never the fused kernels: the same bits as the
     eager layers, whatever else shares the batch); a batch with an adapter takes the wrapped layers."""
-    decode = lora_engine.core.model.scripted
+    decode = lora_engine.core.model_runner.accelerated
     assert decode is not None and not decode.fused_small and not decode.fused_batch
     calls: list[int] = []
     real = type(decode).__call__

@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import save_file
 
 from trtserver.engine.base import GenerationRequest, SamplingParams
-from trtserver.engine.torch.core import EngineCore, attention_length
-from trtserver.engine.torch.model import SMALL_BATCH, load_model
+from trtserver.engine.torch.core import EngineCore
+from trtserver.engine.torch.model import load_model
+from trtserver.engine.torch.model_runner import SMALL_BATCH, attention_length
 
 V, D, LAYERS, H, KV, FF = 96, 64, 2, 4, 2, 80
 HS = D // H

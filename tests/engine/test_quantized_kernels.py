@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trtserver.engine.torch.cpu_weights import Int4Head, Int4Linear
-from trtserver.engine.torch.model import KernelSwitch
+from trtserver.engine.torch.cpu.weights import Int4Head, Int4Linear, KernelSwitch
 
 
 def _grid_linear(out_features: int, in_features: int, seed: int = 0) -> nn.Linear:

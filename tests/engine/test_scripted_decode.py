@@ -1,7 +1,8 @@
-"""The scripted decode (``scripted.py``) against the eager layers it stands in for: the same hidden
-states and the same K/V written, bit for bit, on both of its paths (small batches with int4 / int8
-projections; larger batches and unquantized models with pre-packed ones), on the real SmolLM2 and on
-tiny Llama / Qwen2 (q/k/v biases) checkpoints; and the models it must leave to the eager layers."""
+"""The scripted decode (``cpu/scripted.py``), as the model runner calls it, against the eager layers it stands
+in for: the same hidden states and the same K/V written, bit for bit, on both of its paths (small
+batches with int4 / int8 projections; larger batches and unquantized models with pre-packed ones), on
+the real SmolLM2 and on tiny Llama / Qwen2 (q/k/v biases) checkpoints; and the models and batches it
+must leave to the eager layers."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from torch import Tensor, nn
 
 from tests.engine.test_model_families import make_checkpoint
 from tests.support import NEEDS_BF16_PACKING
-from trtserver.engine.torch import scripted
 from trtserver.engine.torch.cache import KVCache
-from trtserver.engine.torch.core import attention_length
-from trtserver.engine.torch.cpu_weights import pack_for_cpu, quantize_weights
+from trtserver.engine.torch.cpu import accelerate
+from trtserver.engine.torch.cpu.scripted import ScriptedDecode
+from trtserver.engine.torch.cpu.weights import pack_for_cpu, quantize_weights
 from trtserver.engine.torch.model import ForwardContext, Transformer, load_model
+from trtserver.engine.torch.model_runner import ModelRunner
 
 SLOTS, MAX_LEN = 6, 96
 
@@ -32,37 +34,30 @@ def _filled_cache(model: Transformer) -> KVCache:
     return cache
 
 
-def _decode_ctx(slots: list[int], positions: list[int], cache: KVCache, *, small: bool) -> ForwardContext:
-    """As ``EngineCore._decode`` builds it."""
-    B = len(slots)
-    pos = torch.tensor(positions).unsqueeze(1)
-    length = attention_length(max(positions) + 1)
-    mask = (torch.arange(length) <= pos).view(B, 1, 1, length)
-    first = slots[0]
-    start = first if slots == list(range(first, first + B)) else None
-    dense = cache.dense if cache.k[0].dtype == torch.bfloat16 else None
-    return ForwardContext(pos, torch.tensor(slots), start, length, mask, dense=dense, small=small)
+def _runner(model: Transformer, cache: KVCache, decode: ScriptedDecode | None) -> ModelRunner:
+    return ModelRunner(model, cache, device=torch.device("cpu"), max_len=MAX_LEN, decode=decode)
 
 
-def _run_both(model: Transformer, slots: list[int], positions: list[int], *, small: bool,
-              eager_small: bool | None = None) -> tuple[Tensor, Tensor, KVCache, KVCache]:
-    """(eager hidden, scripted hidden, eager cache, scripted cache) for one decode step; the eager one on
-    the small-batch path or not as ``eager_small`` says (default: as the scripted one)."""
-    fast = model.scripted
+def _run_both(model: Transformer, fast: ScriptedDecode | None, slots: list[int], positions: list[int], *,
+              small: bool, eager_small: bool | None = None) -> tuple[Tensor, Tensor, KVCache, KVCache]:
+    """(eager hidden, scripted hidden, eager cache, scripted cache) for one decode step, each through a
+    runner (one without the scripted decode); the eager one on the small-batch path or not as
+    ``eager_small`` says (default: as the scripted one). The quantized projections are left on the
+    scripted one's path, for the ``logits`` after."""
     assert fast is not None and fast.covers(small)
     tokens = torch.tensor([[7 + 3 * i] for i in range(len(slots))])
     eager_cache, script_cache = _filled_cache(model), _filled_cache(model)
+    eager, script = _runner(model, eager_cache, None), _runner(model, script_cache, fast)
     with torch.inference_mode():
-        model.scripted = None
-        eager_ctx = _decode_ctx(slots, positions, eager_cache, small=small if eager_small is None else eager_small)
-        want = model(tokens, eager_ctx, eager_cache)
-        model.scripted = fast
-        got = model(tokens, _decode_ctx(slots, positions, script_cache, small=small), script_cache)
+        eager_ctx = eager.decode_context(slots, positions, small=small if eager_small is None else eager_small)
+        want = eager.forward(tokens, eager_ctx)
+        got = script.forward(tokens, script.decode_context(slots, positions, small=small))
     return want, got, eager_cache, script_cache
 
 
-def _both_ways(model: Transformer, slots: list[int], positions: list[int], *, small: bool) -> None:
-    want, got, eager_cache, script_cache = _run_both(model, slots, positions, small=small)
+def _both_ways(model: Transformer, fast: ScriptedDecode | None, slots: list[int], positions: list[int], *,
+               small: bool) -> None:
+    want, got, eager_cache, script_cache = _run_both(model, fast, slots, positions, small=small)
     assert torch.equal(got, want)
     for mine, theirs in zip((*script_cache.k, *script_cache.v), (*eager_cache.k, *eager_cache.v), strict=True):
         assert torch.equal(mine, theirs)  # every layer's K/V written at the same rows, with the same bits
@@ -70,13 +65,13 @@ def _both_ways(model: Transformer, slots: list[int], positions: list[int], *, sm
 
 
 @pytest.fixture(scope="module")
-def smol_int4(smol_dir: Path) -> Transformer:
+def smol_int4(smol_dir: Path) -> tuple[Transformer, ScriptedDecode]:
     model = load_model(smol_dir, torch.bfloat16, torch.device("cpu"))
     quantize_weights(model, "int4")
     model.setup_rope(MAX_LEN)
-    model.scripted = scripted.build(model, fused=False)  # the same ATen calls as eager: the same bits
-    assert model.scripted is not None and not model.scripted.fused_small
-    return model
+    decode = accelerate(model, fused=False)  # the same ATen calls as eager: the same bits
+    assert decode is not None and not decode.fused_small
+    return model, decode
 
 
 CASES = [
@@ -89,9 +84,9 @@ CASES = [
 @NEEDS_BF16_PACKING
 @pytest.mark.parametrize("small", [True, False], ids=["small-int4", "batch-packed"])
 @pytest.mark.parametrize(("slots", "positions"), CASES)
-def test_smollm2_int4_scripted_decode_is_the_eager_one(smol_int4: Transformer, slots: list[int],
-                                                       positions: list[int], small: bool) -> None:
-    _both_ways(smol_int4, slots, positions, small=small)
+def test_smollm2_int4_scripted_decode_is_the_eager_one(smol_int4: tuple[Transformer, ScriptedDecode],
+                                                       slots: list[int], positions: list[int], small: bool) -> None:
+    _both_ways(*smol_int4, slots, positions, small=small)
 
 
 @NEEDS_BF16_PACKING
@@ -101,10 +96,10 @@ def test_int8_with_qkv_biases_is_the_eager_one(tmp_path: Path) -> None:
     quantize_weights(model, "int8")
     model.setup_rope(MAX_LEN)
     assert model.layers[0].attention.wqkv.bias is not None  # type: ignore[union-attr]
-    model.scripted = scripted.build(model, fused=False)
+    decode = accelerate(model, fused=False)
     for small in (True, False):
-        _both_ways(model, [2, 0], [9, 30], small=small)
-        _both_ways(model, [0, 1], [9, 30], small=small)
+        _both_ways(model, decode, [2, 0], [9, 30], small=small)
+        _both_ways(model, decode, [0, 1], [9, 30], small=small)
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=NEEDS_BF16_PACKING), torch.float32])
@@ -113,26 +108,30 @@ def test_unquantized_models_script_only_the_batch_path(tmp_path: Path, dtype: to
     model = load_model(tmp_path, dtype, torch.device("cpu"))
     pack_for_cpu(model)
     model.setup_rope(MAX_LEN)
-    model.scripted = scripted.build(model, fused=False)
-    assert model.scripted is not None and not model.scripted.covers(True)  # no small-batch kernels here
-    _both_ways(model, [1, 2, 3], [40, 3, 17], small=False)
-    _both_ways(model, [3, 0, 5], [40, 3, 17], small=False)
+    decode = accelerate(model, fused=False)
+    assert decode is not None and not decode.covers(True)  # no small-batch kernels here
+    _both_ways(model, decode, [1, 2, 3], [40, 3, 17], small=False)
+    _both_ways(model, decode, [3, 0, 5], [40, 3, 17], small=False)
 
 
-def test_prefill_keeps_the_eager_layers(smol_int4: Transformer, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_prefill_and_adapter_batches_keep_the_eager_layers(smol_int4: tuple[Transformer, ScriptedDecode],
+                                                           monkeypatch) -> None:  # type: ignore[no-untyped-def]
     def refuse(*args: object) -> torch.Tensor:
         raise AssertionError("the scripted decode ran")
 
-    assert smol_int4.scripted is not None
-    monkeypatch.setattr(smol_int4.scripted, "_small", refuse)
-    monkeypatch.setattr(smol_int4.scripted, "_batch", refuse)
-    cache = _filled_cache(smol_int4)
+    model, decode = smol_int4
+    monkeypatch.setattr(decode, "_small", refuse)
+    monkeypatch.setattr(decode, "_batch", refuse)
+    cache = _filled_cache(model)
+    runner = _runner(model, cache, decode)
     with torch.inference_mode():
         pos = torch.arange(4).unsqueeze(0)
-        smol_int4(torch.ones(1, 4, dtype=torch.long), ForwardContext(pos, torch.tensor([0]), 0, 4, None, causal=True),
-                  cache)
+        runner.forward(torch.ones(1, 4, dtype=torch.long), ForwardContext(pos, torch.tensor([0]), 0, 4, None,
+                                                                          causal=True))
+        one = torch.ones(1, 1, dtype=torch.long)
+        runner.forward(one, runner.decode_context([0], [4], small=True), adapters=True)
         with pytest.raises(AssertionError, match="scripted decode ran"):  # while a decode does take it
-            smol_int4(torch.ones(1, 1, dtype=torch.long), _decode_ctx([0], [4], cache, small=True), cache)
+            runner.forward(one, runner.decode_context([0], [4], small=True))
 
 
 def test_wrapped_projections_are_left_to_the_eager_layers(tmp_path: Path) -> None:
@@ -146,7 +145,7 @@ def test_wrapped_projections_are_left_to_the_eager_layers(tmp_path: Path) -> Non
             self.inner = inner
 
     model.layers[1].feed_forward.w2 = Wrapper(model.layers[1].feed_forward.w2)  # type: ignore[union-attr]
-    assert scripted.build(model) is None
+    assert accelerate(model) is None
 
 
 def test_no_torchscript_leaves_the_eager_layers(tmp_path: Path, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
@@ -159,7 +158,7 @@ def test_no_torchscript_leaves_the_eager_layers(tmp_path: Path, monkeypatch, cap
 
     monkeypatch.setattr(torch.jit, "script", broken)
     with caplog.at_level(logging.WARNING):
-        assert scripted.build(model) is None
+        assert accelerate(model) is None
     assert "eager layers" in caplog.text
     monkeypatch.delattr(torch.jit, "script")
-    assert scripted.build(model) is None
+    assert accelerate(model) is None

@@ -290,7 +290,7 @@ async def test_quantized_weights_still_know_paris(smol_dir, kind: str) -> None: 
                                threads=1)  # the ServerConfig field
     await eng.start()
     try:
-        assert eng.dtype == torch.bfloat16 and eng.quantize == kind and eng.core.model.scripted is not None
+        assert eng.dtype == torch.bfloat16 and eng.quantize == kind and eng.core.model_runner.accelerated is not None
         assert "Paris" in eng.tokenizer.decode(await greedy(eng, "The capital of France is", max_tokens=4))
         # two rows at once still take the quantized kernel; the answer stays sensible
         both = await asyncio.gather(*(greedy(eng, p, max_tokens=4) for p in PROMPTS[:2]))
@@ -357,14 +357,14 @@ def test_thread_counts_follow_the_options(smol_dir, monkeypatch) -> None:  # typ
 
 
 def test_core_switches_threads_by_rows_in_the_forward(smol_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from trtserver.engine.torch.model import SMALL_BATCH
+    from trtserver.engine.torch.model_runner import SMALL_BATCH
 
     # no prefix cache: the shared first prompt token would shrink the second prefill to small rows
     eng = TorchEngine.from_dir(smol_dir, device="cpu", dtype="float32", max_batch_size=8, max_model_len=64,
                                threads=1, batch_threads=2, prefix_cache=False)
     eng.load()
     core = eng.core
-    assert core.threads == (1, 2)
+    assert core.model_runner.threads == (1, 2)
     calls: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)  # record only: the test stays on one core
 
@@ -387,7 +387,7 @@ def test_core_switches_threads_by_rows_in_the_forward(smol_dir, monkeypatch) -> 
 async def test_batch_invariant_bfloat16_beyond_the_small_batch(smol_dir) -> None:  # type: ignore[no-untyped-def]
     """More rows than SMALL_BATCH: with batch_invariant, each prompt's greedy tokens are the same alone
     and in the crowd, although alone it is a batch of one."""
-    from trtserver.engine.torch.model import SMALL_BATCH
+    from trtserver.engine.torch.model_runner import SMALL_BATCH
 
     eng = TorchEngine.from_dir(smol_dir, dtype="bfloat16", device="cpu", max_batch_size=8, max_model_len=128,
                                threads=1, batch_invariant=True)

@@ -1,7 +1,8 @@
 """The layers, kept by their imports: aiohttp only in ``http/`` (and ``testing.py``), torch only in
-``engine/torch/`` at module level, neither in the wire protocol, the text layer or ``serving/``; and
-no import circles: none at run time, and none at module level even counting the imports under
-``if TYPE_CHECKING:`` (types belong to the module that owns them, which imports neither way back)."""
+``engine/torch/`` at module level, neither in the wire protocol, the text layer or ``serving/``; the
+torch engine's model blind to what runs it faster; and no import circles: none at run time, and none
+at module level even counting the imports under ``if TYPE_CHECKING:`` (types belong to the module
+that owns them, which imports neither way back)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,14 @@ def test_protocol_text_and_serving_import_neither(path: Path) -> None:
     found = imports(path, module_level=False)
     for top in ("torch", "aiohttp", "tensorrt_llm"):
         assert not _uses(found, top), f"{top} is imported"
+
+
+def test_the_torch_model_imports_none_of_its_accelerations() -> None:
+    """``model.py`` is the one eager definition: the model runner, the CPU package, CUDA graphs and LoRA
+    wrap it from outside."""
+    found = imports(PACKAGE / "engine" / "torch" / "model.py", module_level=False)
+    for name in ("model_runner", "core", "cpu", "graphs", "lora", "attention"):
+        assert not _uses(found, f"trtserver.engine.torch.{name}"), f"model.py imports engine/torch/{name}"
 
 
 def import_graph(*, module_level: bool, type_only: bool = False) -> dict[str, set[str]]:

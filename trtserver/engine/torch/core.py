@@ -21,7 +21,8 @@ from torch import Tensor
 from trtserver.engine.base import EngineStats, FinishReason, GenerationRequest, SequenceOutput
 from trtserver.engine.torch.beam import BeamState
 from trtserver.engine.torch.cache import KVCache
-from trtserver.engine.torch.model import SMALL_BATCH, ForwardContext, Transformer
+from trtserver.engine.torch.model import Transformer
+from trtserver.engine.torch.model_runner import DecodeFn, ModelRunner
 from trtserver.engine.torch.prepare import Preparer
 from trtserver.engine.torch.sampler import Sampler, row_error
 from trtserver.engine.torch.scheduler import PrefillChunk, Scheduler
@@ -29,7 +30,6 @@ from trtserver.engine.torch.sequence import Group, Sequence
 from trtserver.errors import EngineError, InvalidRequest
 
 if TYPE_CHECKING:
-    from trtserver.engine.torch.graphs import DecodeGraphs
     from trtserver.engine.torch.lora import LoraManager
 
 log = logging.getLogger(__name__)
@@ -38,15 +38,10 @@ log = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, model: Transformer, *, num_slots: int, max_len: int, chunk_size: int,
                  eos_token_ids: Seq[int], device: torch.device, seed: int | None = None,
-                 small_batch: int = 0, threads: tuple[int, int] | None = None, prefix_cache: bool = False,
-                 cache_slots: int = 0) -> None:
-        """``small_batch``: decode batches of up to this many rows take the small-batch kernels
-        (``model.SMALL_BATCH``: float32 attention, quantized projections); 0 = never.
-
-        ``threads`` (CPU): torch threads for forwards of up to ``SMALL_BATCH`` rows (decode GEMVs,
-        bound by reading weights: a second thread's hand-over costs more than it brings) and for
-        larger ones (prefill, big decode batches: their GEMMs are compute-bound and nearly halve on
-        two cores); None = leave torch's setting alone.
+                 small_batch: int = 0, threads: tuple[int, int] | None = None, lora: LoraManager | None = None,
+                 decode: DecodeFn | None = None, prefix_cache: bool = False, cache_slots: int = 0) -> None:
+        """``small_batch``, ``threads``, ``lora`` and ``decode`` (the accelerated decode) go to the
+        model's runner (``model_runner.ModelRunner``).
 
         ``prefix_cache``: reuse the K/V of prompt prefixes already computed (``prefix_cache.py``), kept
         in finished sequences' slots and in ``cache_slots`` slots beyond the ``num_slots`` running ones."""
@@ -56,23 +51,22 @@ class EngineCore:
         cache_slots = cache_slots if prefix_cache else 0
         self.cache = KVCache(args.n_layers, num_slots + cache_slots, args.n_kv_heads, max_len, args.head_dim, dtype,
                              device)
-        model.setup_rope(max_len)
+        self.model_runner = ModelRunner(model, self.cache, device=device, max_len=max_len, small_batch=small_batch,
+                                        threads=threads, lora=lora, decode=decode)
         self.scheduler = Scheduler(num_slots, chunk_size, cache_slots=cache_slots, prefix_cache=prefix_cache)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sampler = Sampler(args.vocab_size, tuple(eos_token_ids), device, seed)
-        self._positions = torch.arange(max_len + 1, device=device)
-        self._dense = self.cache.dense if dtype == torch.bfloat16 else None  # CPU only (None on CUDA)
-        self.small_batch = small_batch
-        self.threads = threads
-        self._threads_now = 0
         self._dirty: dict[Sequence, None] = {}  # sequences with something to report, in order
         self.num_prefill_forwards = 0  # observability (and the tests' spy)
         self.num_decode_forwards = 0
         self.current: list[Group] = []  # groups in the step under way (failed together on error)
         self._failures: list[tuple[str, BaseException]] = []  # requests failed alone in this step
         self.preparer: Preparer[Group] = Preparer()  # slow admissions, off the step loop
-        self.graphs: DecodeGraphs | None = None  # on CUDA (graphs.py)
-        self.lora: LoraManager | None = None  # when the server has an adapters directory
+
+    @property
+    def lora(self) -> LoraManager | None:
+        """The adapters, when the server has an adapters directory (the model runner binds them)."""
+        return self.model_runner.lora
 
     # ---- requests --------------------------------------------------------------------------
     def add(self, request: GenerationRequest) -> Group:
@@ -237,23 +231,7 @@ class EngineCore:
         return self.drain()
 
     def _prefill(self, chunks: list[PrefillChunk]) -> None:
-        B, T = len(chunks), max(c.end - c.start for c in chunks)
-        tokens = torch.zeros((B, T), dtype=torch.long)
-        pos = torch.full((B, T), self.cache.scratch_pos, dtype=torch.long)
-        for b, c in enumerate(chunks):
-            n = c.end - c.start
-            tokens[b, :n] = torch.tensor(c.group.request.prompt_token_ids[c.start:c.end])
-            pos[b, :n] = torch.arange(c.start, c.end)
-        slots = [c.group.prefill_slot for c in chunks]
-        length = max(c.end for c in chunks)
-        causal = B == 1 and chunks[0].start == 0
-        pos = pos.to(self.device)
-        mask = None if causal else (self._positions[:length] <= pos.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, L)
-        ctx = ForwardContext(pos, torch.tensor(slots, device=self.device), _contiguous(slots), length, mask, causal)
-        if self.lora is not None:
-            self.lora.bind([c.group.adapter for c in chunks])
-        self._use_threads(sum(c.end - c.start for c in chunks))
-        hidden = self.model(tokens.to(self.device), ctx, self.cache)  # (B, T, dim)
+        hidden = self.model_runner.prefill(chunks)  # (B, T, dim)
         self.num_prefill_forwards += 1
 
         last_rows: list[Tensor] = []
@@ -314,22 +292,7 @@ class EngineCore:
             self._sample(logits[rows], seqs)
 
     def _decode(self, seqs: list[Sequence]) -> None:
-        lora = self.lora is not None and self.lora.bind([s.group.adapter for s in seqs])
-        if self.graphs is not None and not lora:  # graphs are captured without adapters
-            logits = self.graphs.decode(seqs)  # (B, V), from a captured CUDA graph
-        else:
-            B = len(seqs)
-            slots = [s.slot for s in seqs]
-            positions = [s.num_cached for s in seqs]
-            tokens = torch.tensor([[s.last_token] for s in seqs], device=self.device)  # (B, 1)
-            pos = torch.tensor(positions, device=self.device).unsqueeze(1)  # (B, 1)
-            length = min(attention_length(max(positions) + 1), self.max_len + 1)
-            mask = (self._positions[:length] <= pos).view(B, 1, 1, length)  # (B, 1, 1, L)
-            ctx = ForwardContext(pos, torch.tensor(slots, device=self.device), _contiguous(slots), length, mask,
-                                 dense=self._dense, small=B <= self.small_batch)
-            self._use_threads(B)
-            hidden = self.model(tokens, ctx, self.cache)  # (B, 1, dim)
-            logits = self.model.logits(hidden[:, 0])  # (B, V)
+        logits = self.model_runner.decode(seqs)  # (B, V)
         self.num_decode_forwards += 1
         for seq in seqs:
             seq.num_cached += 1
@@ -345,13 +308,6 @@ class EngineCore:
                 beams.setdefault(s.group, []).append(i)
         for group, idx in beams.items():
             self._guarded_beam_step(group, logits[idx], first=False)
-
-    def _use_threads(self, rows: int) -> None:
-        if self.threads is not None:
-            n = self.threads[rows > SMALL_BATCH]
-            if n != self._threads_now:  # set only on a change; the setting stays for the sampler too
-                torch.set_num_threads(n)
-                self._threads_now = n
 
     # ---- after the model ---------------------------------------------------------------------
     def _sample(self, logits: Tensor, seqs: list[Sequence]) -> None:
@@ -459,16 +415,3 @@ class EngineCore:
         self._dirty.clear()
         return out
 
-
-def attention_length(n: int) -> int:
-    """``n`` rounded up to one of 8 lengths per octave (at least a multiple of 16); decode attends
-    over that many keys with the tail masked. oneDNN builds a kernel for every new shape, and a
-    length that grows by one each step would need a new one every step (~0.6 ms per layer shape)."""
-    granule = max(16, 1 << max(0, n.bit_length() - 4))
-    return -(-n // granule) * granule
-
-
-def _contiguous(slots: list[int]) -> int | None:
-    """The first slot when ``slots`` are consecutive and ascending (the cache is then a view)."""
-    first = slots[0]
-    return first if slots[-1] - first == len(slots) - 1 and slots == list(range(first, first + len(slots))) else None

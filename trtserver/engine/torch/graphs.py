@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from trtserver.engine.torch.attention import decode_attention
 from trtserver.engine.torch.model import ForwardContext
 
 if TYPE_CHECKING:
-    from trtserver.engine.torch.core import EngineCore
+    from trtserver.engine.torch.model_runner import ModelRunner
     from trtserver.engine.torch.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -40,9 +41,9 @@ def powers_of_two(low: int, high: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, core: EngineCore, min_length: int = 256, all_rows: bool = False) -> None:
-        self.core = core
-        cache, device = core.cache, core.device
+    def __init__(self, runner: ModelRunner, min_length: int = 256, all_rows: bool = False) -> None:
+        self.runner = runner
+        cache, device = runner.cache, runner.device
         self.num_slots, self.max_len = cache.num_slots, cache.max_len
         S = self.num_slots
         self.tokens = torch.zeros((S, 1), dtype=torch.long, device=device)
@@ -55,11 +56,11 @@ class DecodeGraphs:
 
     def _step(self, bucket: Bucket) -> Tensor:
         rows, length = bucket
-        core, pos = self.core, self.pos[:rows]
-        mask = (core._positions[:length] <= pos).view(rows, 1, 1, length)  # (rows, 1, 1, L)
-        ctx = ForwardContext(pos, self.slots[:rows], 0, length, mask)
-        hidden = core.model(self.tokens[:rows], ctx, core.cache)  # (rows, 1, dim)
-        return core.model.logits(hidden[:, 0])  # (rows, V)
+        runner, pos = self.runner, self.pos[:rows]
+        mask = (runner.positions[:length] <= pos).view(rows, 1, 1, length)  # (rows, 1, 1, L)
+        ctx = ForwardContext(pos, self.slots[:rows], 0, length, mask, attend=decode_attention)
+        hidden = runner.model(self.tokens[:rows], ctx, runner.cache)  # (rows, 1, dim)
+        return runner.model.logits(hidden[:, 0])  # (rows, V)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -89,7 +90,7 @@ class DecodeGraphs:
     def load_inputs(self, seqs: list[Sequence]) -> Bucket:
         """Write the step's tokens and positions into the graphs' input buffers; return its bucket."""
         bucket = self.bucket(seqs)
-        rows, scratch = bucket[0], self.core.cache.scratch_pos
+        rows, scratch = bucket[0], self.runner.cache.scratch_pos
         tokens, pos = [0] * rows, [scratch] * rows
         for seq in seqs:
             tokens[seq.slot] = seq.last_token
@@ -114,9 +115,9 @@ class DecodeGraphs:
         return t.pin_memory() if self.tokens.is_cuda else t
 
 
-def capture_decode_graphs(core: EngineCore, all_rows: bool = False) -> None:
-    if core.device.type != "cuda":
+def capture_decode_graphs(runner: ModelRunner, all_rows: bool = False) -> None:
+    if runner.device.type != "cuda":
         return
-    graphs = DecodeGraphs(core, all_rows=all_rows)
+    graphs = DecodeGraphs(runner, all_rows=all_rows)
     graphs.capture()
-    core.graphs = graphs
+    runner.graphs = graphs

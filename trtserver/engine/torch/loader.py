@@ -72,7 +72,7 @@ def auto_quantization(config: ServerConfig, manifest: Manifest, device: torch.de
 def small_batch(config: ServerConfig, device: torch.device, dtype: torch.dtype) -> int:
     """Small decode batches take kernels of their own on a bfloat16 CPU (float32 attention, int4);
     never where every batch size must compute alike."""
-    from trtserver.engine.torch.model import SMALL_BATCH
+    from trtserver.engine.torch.model_runner import SMALL_BATCH
 
     on = device.type == "cpu" and dtype == torch.bfloat16 and not config.batch_invariant
     return SMALL_BATCH if on else 0
@@ -115,11 +115,11 @@ def load(path: Path, config: ServerConfig, placement: Placement, *, eos_token_id
     dtype = placement.dtype or pick_cpu_dtype()
     model = load_model(path, dtype, device)
     if placement.quantize is not None:
-        from trtserver.engine.torch.cpu_weights import quantize_weights
+        from trtserver.engine.torch.cpu.weights import quantize_weights
 
         quantize_weights(model, placement.quantize)
     elif device.type == "cpu":
-        from trtserver.engine.torch.cpu_weights import can_pack_for_cpu, pack_for_cpu
+        from trtserver.engine.torch.cpu.weights import can_pack_for_cpu, pack_for_cpu
 
         if can_pack_for_cpu(dtype):
             pack_for_cpu(model)
@@ -129,19 +129,19 @@ def load(path: Path, config: ServerConfig, placement: Placement, *, eos_token_id
     if adapters is not None:
         lora = LoraManager(adapters, model.args, dtype, device)
         lora.install(model)
+    decode = None
     if device.type == "cpu":
-        from trtserver.engine.torch.scripted import build
+        from trtserver.engine.torch.cpu import accelerate
 
-        model.scripted = build(model)
+        decode = accelerate(model)
     core = EngineCore(model, num_slots=config.max_batch_size, max_len=max_len, chunk_size=config.prefill_chunk_size,
                       eos_token_ids=eos_token_ids, device=device, seed=seed,
-                      small_batch=small_batch(config, device, dtype), threads=threads,
+                      small_batch=small_batch(config, device, dtype), threads=threads, lora=lora, decode=decode,
                       prefix_cache=config.prefix_cache, cache_slots=config.prefix_cache_extra_slots)
-    core.lora = lora
     if device.type == "cuda" and config.cuda_graphs:
         from trtserver.engine.torch.graphs import capture_decode_graphs
 
-        capture_decode_graphs(core, all_rows=config.batch_invariant)
+        capture_decode_graphs(core.model_runner, all_rows=config.batch_invariant)
     log.info("torch engine: %s on %s as %s, %d slots x %d positions, loaded in %.1fs", path.name, device,
              str(dtype).removeprefix("torch."), config.max_batch_size, max_len, time.perf_counter() - t0)
     return Loaded(core, lora, dtype)
@@ -164,7 +164,7 @@ def pick_cpu_dtype() -> torch.dtype:
     Where /proc/cpuinfo lists those, bfloat16 without timing: on a busy machine the timing is noise
     (it picked float32 on a loaded avx512_bf16 box, which then decoded at half speed), and it
     costs ~1 s of start-up."""
-    from trtserver.engine.torch.cpu_weights import PackedLinear, can_pack_for_cpu
+    from trtserver.engine.torch.cpu.weights import PackedLinear, can_pack_for_cpu
 
     if _cpu_has_bf16():
         log.info("dtype auto on CPU: bfloat16 (the CPU has native bf16 dot products)")

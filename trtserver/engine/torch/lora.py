@@ -8,8 +8,8 @@ The engine fuses q/k/v and gate/up into one matmul each; their adapters are fuse
 A matrices stacked (``R = r_q + r_k + r_v`` rows) and the B matrices placed block-diagonally, so one
 adapter costs two small matmuls per fused projection whatever it targets.
 
-``EngineCore`` calls ``LoraManager.bind(groups)`` before each forward with the request of every row;
-a batch without adapters costs one list scan and nothing in the model.
+``ModelRunner`` (``model_runner.py``) calls ``LoraManager.bind(groups)`` before each forward with the
+request of every row; a batch without adapters costs one list scan and nothing in the model.
 """
 
 from __future__ import annotations

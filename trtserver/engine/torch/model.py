@@ -3,8 +3,10 @@
 Built on the meta device and loaded from Hugging Face safetensors with ``assign=True``, so no
 weight is allocated twice. q/k/v and gate/up are fused into one matmul each at load time.
 Attention reads K/V from the static cache (``cache.py``) over the live length only (in decode,
-rounded up to a few fixed lengths and masked: ``core.attention_length``). The CPU weight formats
-that can replace the projections are in ``cpu_weights.py``.
+rounded up to a few fixed lengths and masked: ``model_runner.attention_length``) with the attention its
+``ForwardContext`` names. The model knows nothing of how it is run faster: the loader swaps in CPU weight
+formats (``cpu/weights.py``), and the model runner (``model_runner.py``) picks each step's attention and
+whether a CPU decode function (``cpu/``) or a CUDA graph (``graphs.py``) runs in its place.
 
 The layers call their submodules' ``forward`` directly: ``nn.Module.__call__`` checks for hooks
 (none are used here; LoRA swaps modules instead) at ~2 µs a call, ~270 calls per decode step, which
@@ -15,18 +17,15 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trtserver.engine.torch.cache import KVCache
-
-if TYPE_CHECKING:
-    from trtserver.engine.torch.scripted import ScriptedDecode
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,23 +72,22 @@ class ModelArgs:
         )
 
 
-SMALL_BATCH = 4
-"""Decode batches up to this many rows take the small-batch kernels (CPU): float32 attention and the
-quantized projections. Above it, and for prefill, the bfloat16 kernels are faster; the two sets round
-differently, so ``batch_invariant`` turns the small-batch set off."""
+def sdpa_attention(q: Tensor, keys: Tensor, values: Tensor, ctx: ForwardContext) -> Tensor:
+    """``q`` (B, T, nh, hs) against the live K/V (B, nkv, L, hs), masked as ``ctx`` says; (B, T, nh * hs)."""
+    B, T, nh, hs = q.shape
+    y = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys, values,  # (B, nh, T, hs) against (B, nkv, L, hs)
+        attn_mask=ctx.mask, is_causal=ctx.causal, enable_gqa=nh != keys.shape[1],
+    )  # (B, nh, T, hs)
+    return y.transpose(1, 2).reshape(B, T, nh * hs)
 
 
-@dataclass(slots=True)
-class KernelSwitch:
-    """Shared by the model and its quantized projections: whether the forward under way (and the
-    ``logits`` after it) takes the small-batch kernels. Set from ``ForwardContext.small``."""
-
-    small: bool = False
+Attend = Callable[[Tensor, Tensor, Tensor, "ForwardContext"], Tensor]
 
 
 @dataclass(slots=True)
 class ForwardContext:
-    """Where a batch's tokens sit in the cache. ``B`` rows of ``T`` tokens."""
+    """Where a batch's tokens sit in the cache, and how they attend. ``B`` rows of ``T`` tokens."""
 
     pos: Tensor  # (B, T) position of each token; padding points at the cache's scratch position
     slots: Tensor  # (B,) KV slot of each row
@@ -97,8 +95,10 @@ class ForwardContext:
     length: int  # keys to attend over (the longest live length in the batch)
     mask: Tensor | None  # (B, 1, T, length) True = attend; None = every key visible, or causal
     causal: bool = False  # prefill of one prompt from position 0: T == length, no mask needed
-    small: bool = False  # a decode batch that takes the small-batch kernels (SMALL_BATCH)
-    dense: tuple[Tensor, Tensor] | None = None  # flat K, V buffers: decode copies the live keys there (bf16 CPU)
+    attend: Attend = sdpa_attention  # the model runner gives decode steps theirs (attention.py, cpu/attention.py)
+    # the model runner's, not the model's: a decode batch on the small-batch kernels (model_runner.SMALL_BATCH)
+    small: bool = False
+    dense: tuple[Tensor, Tensor] | None = None  # the model runner's: flat K, V buffers (cpu/attention.py)
     _rows: Tensor | None = None
     _additive_mask: Tensor | None = None
 
@@ -159,47 +159,10 @@ class Attention(nn.Module):
         if ctx.slot_start is not None:
             keys = k_cache[ctx.slot_start:ctx.slot_start + B, :, :ctx.length]  # (B, nkv, L, hs), a view
             values = v_cache[ctx.slot_start:ctx.slot_start + B, :, :ctx.length]
-            if ctx.dense is not None and T == 1 and not ctx.small:
-                keys, values = into_buffer(keys, ctx.dense[0]), into_buffer(values, ctx.dense[1])
         else:
             keys = k_cache[ctx.slots, :, :ctx.length]  # (B, nkv, L, hs), gathered
             values = v_cache[ctx.slots, :, :ctx.length]
-        if ctx.small:
-            y = small_decode_attention(q.transpose(1, 2), keys, values, ctx.additive_mask())  # (B, nh, 1, hs)
-            return self.wo.forward(y.view(B, 1, nh * hs))
-        if T == 1:
-            y = bmm_decode_attention(q, keys, values, ctx.mask)  # (B, nkv, g, hs)
-            return self.wo.forward(y.view(B, 1, nh * hs))
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values,  # (B, nh, T, hs) against (B, nkv, L, hs)
-            attn_mask=ctx.mask, is_causal=ctx.causal, enable_gqa=nh != nkv,
-        )  # (B, nh, T, hs)
-        return self.wo(y.transpose(1, 2).reshape(B, T, nh * hs))
-
-
-def small_decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
-    """A few rows' decode attention in float32 SDPA: 2-3x faster than bfloat16 matmuls with 3 query rows
-    per kv head (at 16 rows the bmm below wins; the conversion reads K/V once more). ``q`` (B, nh, 1, hs)
-    against (B, nkv, L, hs); ``mask`` additive (``ForwardContext.additive_mask``); returns q's dtype."""
-    return F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask,
-                                          enable_gqa=q.shape[1] != keys.shape[1]).to(q.dtype)
-
-
-def bmm_decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
-    """Decode attention as two small matmuls, which beat the flash kernel for one query row: ``q`` any
-    shape holding (B, nh, hs), q head j*g + i reading kv head j, against (B, nkv, L, hs); ``mask`` boolean
-    (B, 1, 1, L), True = attend. Scores and softmax in float32; returns (B, nkv, g, hs)."""
-    B, nkv, _, hs = keys.shape
-    scores = (q.reshape(B, nkv, -1, hs) @ keys.transpose(-1, -2)).float() * (hs ** -0.5)  # (B, nkv, g, L)
-    if mask is not None:
-        scores.masked_fill_(~mask, float("-inf"))
-    return scores.softmax(dim=-1).to(values.dtype) @ values
-
-
-def into_buffer(t: Tensor, buffer: Tensor) -> Tensor:
-    """``t`` copied into the front of a flat, reused buffer: oneDNN's bf16 bmm on the cache's strided
-    view is slower than this copy plus the dense bmm (1.5-2.5x per layer at 4-16 rows; same numbers)."""
-    return buffer[:t.numel()].view(t.shape).copy_(t)
+        return self.wo.forward(ctx.attend(q, keys, values, ctx))  # (B, T, nh * hs) in
 
 
 class FeedForward(nn.Module):
@@ -239,8 +202,6 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.rope_cos: Tensor | None = None
         self.rope_sin: Tensor | None = None
-        self.kernels = KernelSwitch()
-        self.scripted: ScriptedDecode | None = None  # decode steps through the layers, CPU (scripted.py)
 
     def setup_rope(self, max_len: int) -> None:
         """Precompute cos and signed sin (``apply_rope``) for positions 0..max_len (the last one is
@@ -253,17 +214,16 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: Tensor, ctx: ForwardContext, cache: KVCache) -> Tensor:
         """Hidden states after the final norm, ``(B, T, dim)``; the caller picks rows for ``logits``."""
-        assert self.rope_cos is not None and self.rope_sin is not None
-        self.kernels.small = ctx.small
         x = self.tok_embeddings(tokens)  # (B, T, dim)
-        cos = self.rope_cos[ctx.pos].unsqueeze(2)  # (B, T, 1, hs)
-        sin = self.rope_sin[ctx.pos].unsqueeze(2)
-        if self.scripted is not None and tokens.shape[1] == 1 and self.scripted.covers(ctx.small):
-            x = self.scripted(x, cos, sin, cache.k, cache.v, ctx)
-        else:
-            for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-                x = layer.forward(x, cos, sin, k_cache, v_cache, ctx)
+        cos, sin = self.rope(ctx.pos)
+        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
+            x = layer.forward(x, cos, sin, k_cache, v_cache, ctx)
         return self.norm(x)
+
+    def rope(self, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and signed sin at ``pos`` (B, T), as (B, T, 1, head_dim): one row for every head."""
+        assert self.rope_cos is not None and self.rope_sin is not None
+        return self.rope_cos[pos].unsqueeze(2), self.rope_sin[pos].unsqueeze(2)
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.output(hidden).float()  # (..., vocab)

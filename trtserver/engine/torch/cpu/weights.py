@@ -1,17 +1,26 @@
 """Weight formats of the CPU engine: oneDNN's pre-packed bfloat16 and weight-only int4 / int8.
 
-The quantized projections serve only the small-batch path (``model.KernelSwitch``); each keeps a
-pre-packed bfloat16 copy for prefill and larger batches.
+The quantized projections serve only the small-batch path (``KernelSwitch``, which the model runner sets
+before each forward); each keeps a pre-packed bfloat16 copy for prefill and larger batches.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 from torch import Tensor, nn
 
-from trtserver.engine.torch.model import Block, KernelSwitch, Transformer
+from trtserver.engine.torch.model import Block, Transformer
+
+
+@dataclass(slots=True)
+class KernelSwitch:
+    """Shared by a model's quantized projections: whether the forward under way (and the ``logits``
+    after it) takes the small-batch kernels. The runner sets it from ``ForwardContext.small``."""
+
+    small: bool = False
 
 # ---- CPU: oneDNN's pre-packed weights ------------------------------------------------------------
 
@@ -146,17 +155,18 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def quantize_weights(model: Transformer, kind: str) -> None:
+def quantize_weights(model: Transformer, kind: str) -> KernelSwitch:
     """Give every projection (and, for int4, the output head) a weight-only int8 / int4 copy for
     decode (CPU, bfloat16 only). int8 leaves the output head in bfloat16: the int8 kernel is no
-    faster than the pre-packed bf16 GEMM on a 49152 x 576 matrix (5.5 vs 5.3 ms, one thread)."""
+    faster than the pre-packed bf16 GEMM on a 49152 x 576 matrix (5.5 vs 5.3 ms, one thread). Returns the
+projections' shared switch (``kernel_switch`` finds it again)."""
     weight = model.tok_embeddings.weight
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         raise ValueError(f"{kind} weights need dtype bfloat16 on the CPU")
     if kind == "int4" and (model.args.dim % Int4Linear.GROUP or model.args.intermediate_size % Int4Linear.GROUP):
         raise ValueError("int4 weights need dimensions divisible by 32")
     cls: type[nn.Module] = {"int8": Int8Linear, "int4": Int4Linear}[kind]
-    k = model.kernels
+    k = KernelSwitch()
     for layer in cast("list[Block]", model.layers):
         layer.attention.wqkv = cls(_linear(layer.attention.wqkv), k)
         layer.attention.wo = cls(_linear(layer.attention.wo), k)
@@ -166,3 +176,10 @@ def quantize_weights(model: Transformer, kind: str) -> None:
         model.output = Int4Head(model.output, k)  # type: ignore[assignment]
     elif can_pack_for_cpu(model.output.weight.dtype):
         model.output = PackedLinear(model.output)  # type: ignore[assignment]
+    return k
+
+
+def kernel_switch(model: Transformer) -> KernelSwitch | None:
+    """The switch of ``model``'s quantized projections (under any LoRA wrapping), or None when it has none."""
+    first = cast("Block", model.layers[0]).attention.wqkv
+    return cast("KernelSwitch | None", getattr(getattr(first, "base", first), "kernels", None))

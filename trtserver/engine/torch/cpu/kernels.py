@@ -8,7 +8,7 @@ only loads the library (~0.15 s). Where no library is there yet, the build runs 
 time limit: a compiler that hangs, or a build lock left by a killed build, costs the engine its kernels,
 never its start. Without them the scripted decode issues the same work as ATen calls (``scripted.py``).
 
-    python -m trtserver.engine.torch.kernels     # build (or find) them; exits 1 if they cannot be built
+    python -m trtserver.engine.torch.cpu.kernels     # build (or find) them; exits 1 if they cannot be built
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ SOURCE = Path(__file__).with_name("kernels.cpp")
 OPS = ("rms_norm", "rope_cache", "decode_attention")
 BUILD_TIMEOUT_S = 300.0
 STALE_LOCK_S = 900.0  # a build lock older than this was left by a build that died
-MODULE = "trtserver.engine.torch.kernels"  # the child that builds them
+MODULE = "trtserver.engine.torch.cpu.kernels"  # the child that builds them
 
 
 def loaded() -> bool:

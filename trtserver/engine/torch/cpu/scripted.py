@@ -6,8 +6,8 @@ the same calls on the same tensors, so the results are the same bits, for less (
 docs/perf-decisions.md).
 
 Two functions, one per eager decode path of ``model.py``:
-- ``_small_decode``: batches of up to ``SMALL_BATCH`` rows with int4 / int8 weight-only projections
-  (``cpu_weights.py``), float32 RMSNorm and SDPA;
+- ``_small_decode``: batches of up to ``model_runner.SMALL_BATCH`` rows with int4 / int8 weight-only projections
+  (``weights.py``), float32 RMSNorm and SDPA;
 - ``_batch_decode``: larger batches, and every decode of a model without the small-batch kernels
   (float32, unquantized), through oneDNN's pre-packed projections and the bmm attention (the K/V
   copied into the dense buffers first, for bfloat16).
@@ -17,8 +17,8 @@ a dozen calls per layer instead of ~40 (one row a further 0.72×, sixteen 0.89×
 in their own order, so they are close to the eager layers, not bit for bit.
 
 Prefill stays eager (its GEMMs dwarf the calls), and so do CUDA (it has its graphs) and, on a LoRA
-server, the batches with an adapter (its base batches take the ATen-call functions on the bare
-projections). TorchScript is deprecated in recent torch releases: where
+server, the batches with an adapter (the model runner sends those to the eager layers; its base batches
+take the ATen-call functions on the bare projections). TorchScript is deprecated in recent torch releases: where
 ``torch.jit.script`` is missing or fails, the eager layers run.
 """
 
@@ -32,20 +32,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trtserver.engine.torch.model import (
-    apply_rope,
-    bmm_decode_attention,
-    into_buffer,
-    rms_norm,
-    small_decode_attention,
-)
+from trtserver.engine.torch.attention import bmm_decode_attention
+from trtserver.engine.torch.cpu.attention import into_buffer, small_decode_attention
+from trtserver.engine.torch.model import apply_rope, rms_norm
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from torch import nn
 
-    from trtserver.engine.torch.lora import LoraBatch
+    from trtserver.engine.torch.cache import KVCache
     from trtserver.engine.torch.model import Block, ForwardContext, Transformer
 
 log = logging.getLogger(__name__)
@@ -179,17 +175,17 @@ def _batch_decode(x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v
 
 
 class ScriptedDecode:
-    """What ``Transformer.forward`` calls for a decode step instead of its layers, where it ``covers``
-    the step's path (small batch or not)."""
+    """A decode step of ``model`` (embedding to final norm) through its layers as one TorchScript call,
+    where it ``covers`` the step's path (small batch or not); the model runner calls it instead of the model
+    for batches without adapters."""
 
     def __init__(self, model: Transformer, small: Callable[..., Tensor] | None, batch: Callable[..., Tensor] | None,
                  *, int4: bool, fused: tuple[bool, bool]) -> None:
         args = model.args
         layers = _blocks(model)
         projections = [p for layer in layers for p in _projections(layer)]
+        self.model = model
         self._small, self._batch, self._int4 = small, batch, int4
-        # these run the bare projections: on a LoRA server only batches with no adapter may take them
-        self.lora = _lora_batch(model)
         self.fused_small, self.fused_batch = fused  # which paths run the fused kernels (_fused_*decode)
         self._norms = [t for layer in layers for t in (layer.attention_norm.weight, layer.ffn_norm.weight)]
         self._biases = [cast("Tensor | None", getattr(p, "bias", None)) for p in projections]
@@ -204,13 +200,18 @@ class ScriptedDecode:
         self._heads = (args.n_heads, args.n_kv_heads, args.head_dim)
 
     def covers(self, small: bool) -> bool:
-        if self.lora is not None and self.lora.groups:  # rows with adapters: LoRA's wrapped projections
-            return False
         return (self._small if small else self._batch) is not None
 
-    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
-                 ctx: ForwardContext) -> Tensor:
-        """``x`` (B, 1, dim) and ``cos``/``sin`` (B, 1, 1, head_dim), as the eager layers take them."""
+    def __call__(self, tokens: Tensor, ctx: ForwardContext, cache: KVCache) -> Tensor:
+        """``model(tokens, ctx, cache)`` for a decode step: ``tokens`` (B, 1); hidden states (B, 1, dim).
+        It runs the bare projections: never a batch with adapters."""
+        model = self.model
+        x = model.tok_embeddings(tokens)  # (B, 1, dim)
+        cos, sin = model.rope(ctx.pos)  # (B, 1, 1, head_dim)
+        return model.norm(self._layers(x, cos, sin, cache.k, cache.v, ctx))
+
+    def _layers(self, x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
+                ctx: ForwardContext) -> Tensor:
         B, _, dim = x.shape
         x2, slot_start = x.view(B, dim), -1 if ctx.slot_start is None else ctx.slot_start
         # unoptimized: the profiling executor's first call took ~50 ms and new batch shapes re-profiled,
@@ -257,12 +258,11 @@ def _projections(layer: Block) -> tuple[nn.Module, ...]:
     return tuple(p.base if isinstance(p, LoraLinear) else p for p in _raw_projections(layer))
 
 
-def _lora_batch(model: Transformer) -> LoraBatch | None:
-    """A LoRA server's batch binding, which says whether the running forward has rows with adapters."""
+def _has_lora(model: Transformer) -> bool:
+    """Whether ``model``'s projections are wrapped for LoRA adapters (a LoRA server)."""
     from trtserver.engine.torch.lora import LoraLinear
 
-    wrapped = (p for layer in _blocks(model) for p in _raw_projections(layer) if isinstance(p, LoraLinear))
-    return next((p.batch for p in wrapped), None)
+    return any(isinstance(p, LoraLinear) for layer in _blocks(model) for p in _raw_projections(layer))
 
 
 def _script(fn: Callable[..., Tensor]) -> Callable[..., Tensor] | None:
@@ -284,9 +284,9 @@ def build(model: Transformer, *, fused: bool = True) -> ScriptedDecode | None:
     (``PackedLinear``, or quantized with a packed copy). On a LoRA server it serves the batches with no
     adapter, through the same ATen calls as the eager layers and never the fused kernels: a row's bits
     then do not depend on whether another row of its batch has an adapter."""
-    from trtserver.engine.torch.cpu_weights import Int4Linear, Int8Linear, PackedLinear
+    from trtserver.engine.torch.cpu.weights import Int4Linear, Int8Linear, PackedLinear
 
-    if _lora_batch(model) is not None:
+    if _has_lora(model):
         fused = False
 
     projections = [p for layer in _blocks(model) for p in _projections(layer)]
@@ -296,7 +296,7 @@ def build(model: Transformer, *, fused: bool = True) -> ScriptedDecode | None:
     packed = all(isinstance(getattr(p, "dense", p), PackedLinear) for p in projections) \
         and kinds <= {PackedLinear, Int4Linear, Int8Linear}
     if fused and (quantized or packed) and model.tok_embeddings.weight.dtype == torch.bfloat16:
-        from trtserver.engine.torch import kernels
+        from trtserver.engine.torch.cpu import kernels
 
         fused = kernels.load()
     else:
