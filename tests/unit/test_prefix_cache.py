@@ -188,3 +188,20 @@ def test_scheduler_records_nothing_uncertain() -> None:
     assert len(s.prefix.entries) == 1  # the second slot never received the prompt
     s.add(request_group("logprobs", prompt, prompt_logprobs=0))
     assert run_step(s)[1] == [("logprobs", 0, 8)]  # scoring the prompt recomputes it
+
+
+def test_a_nearly_cached_prompt_does_not_narrow_the_others_chunks() -> None:
+    s = Scheduler(num_slots=4, chunk_size=96, prefix_cache=True)
+    doc = list(range(100, 130))
+    s.add(request_group("first", doc + [1]))
+    run_step(s)
+    finish_all(s)
+    s.add(request_group("cached", doc + [1, 2]))  # 31 of 32 tokens cached: one to compute
+    for i in range(3):
+        s.add(request_group(f"new{i}", [200 + i] * 20))
+    assert run_step(s)[1] == [("cached", 31, 32), ("new0", 0, 20), ("new1", 0, 20), ("new2", 0, 20)]
+    s.add(request_group("long", list(range(300, 400))))
+    finish_all(s)
+    s.add(request_group("short", [7] * 10))
+    assert run_step(s)[1] == [("long", 0, 96)]  # the budget's width; the next prompt waits a step
+    assert run_step(s)[1] == [("long", 96, 100), ("short", 0, 10)]

@@ -104,15 +104,21 @@ class Scheduler:
         self._admit()
         step = ScheduledStep(decode=sorted(self.running, key=_slot), copies=self._copies)
         self._copies = []
+        # prompts in admission order, padded to one width: as wide as the longest remainder allows within
+        # the budget, so that one nearly computed prompt (a cached prefix) does not narrow everyone's chunk
         budget = self.chunk_size
         width = 0
+        chosen: list[Group] = []
         for group in self.prefilling:
             remaining = group.prompt_len - group.prefill_pos
-            if not step.prefill:
-                width = min(remaining, budget)
-            elif (len(step.prefill) + 1) * width > budget:
-                break
-            step.prefill.append(PrefillChunk(group, group.prefill_pos, group.prefill_pos + min(remaining, width)))
+            wider = min(max(width, remaining), budget)
+            if (len(chosen) + 1) * wider <= budget:
+                width = wider
+            elif (len(chosen) + 1) * width > budget:
+                break  # else it takes a first piece at the present width
+            chosen.append(group)
+        step.prefill = [PrefillChunk(g, g.prefill_pos, g.prefill_pos + min(g.prompt_len - g.prefill_pos, width))
+                        for g in chosen]
         return step
 
     def prefilled(self, chunk: PrefillChunk) -> None:
