@@ -162,3 +162,23 @@ def test_no_torchscript_leaves_the_eager_layers(tmp_path: Path, monkeypatch, cap
     assert "eager layers" in caplog.text
     monkeypatch.delattr(torch.jit, "script")
     assert accelerate(model) is None
+
+
+def test_scattered_slots_gather_only_their_live_positions() -> None:
+    """A decode batch on non-consecutive slots reads each slot's first ``length`` positions: gathering
+    whole slots first read the full context of every row, every layer (gigabytes at 8k positions)."""
+    from trtserver.engine.torch.cpu.scripted import _live
+
+    def rss_mib() -> float:
+        status = Path("/proc/self/status").read_text()
+        return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) / 1024
+
+    cache = KVCache(1, 6, 2, 1 << 20, 64, torch.float32, torch.device("cpu"))  # 512 MiB a slot, untouched
+    k = cache.k[0]
+    k[:, :, :16] = torch.arange(7.0).view(7, 1, 1, 1)  # slot i holds i (slot 6 is the scratch)
+    slots = torch.tensor([1, 4, 5])
+    before = rss_mib()
+    live = _live(k, slots, -1, 3, 16)
+    assert rss_mib() - before < 64  # whole slots would be 1.5 GiB
+    assert live.shape == (3, 2, 16, 64) and live[:, 0, 0, 0].tolist() == [1.0, 4.0, 5.0]
+    assert torch.equal(_live(k, slots, 3, 3, 16), k[3:6, :, :16])

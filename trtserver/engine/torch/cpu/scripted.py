@@ -80,7 +80,7 @@ def _live(cache: Tensor, slots: Tensor, slot_start: int, rows: int, length: int)
     """The batch's slots, first ``length`` positions: a view where the slots are consecutive."""
     if slot_start >= 0:
         return cache[slot_start:slot_start + rows, :, :length]
-    return cache.index_select(0, slots)[:, :, :length]
+    return cache[:, :, :length].index_select(0, slots)  # sliced first: gather the live positions only
 
 
 def _small_decode(x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
