@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def score(engine: TorchEngine, ids: list[int], small: bool) -> tuple[list[float], list[int]]:
     """Logprob of each next token of ``ids`` and the top-1 prediction, one decode step per token."""
     core = engine.core
+    assert core is not None, "engine not loaded"
     model, device = core.model, core.device
     logprobs, top1 = [], []
     for i in range(len(ids) - 1):
@@ -60,14 +61,16 @@ def main() -> None:
     print("| path | perplexity | top-1 = float32's | largest logprob difference from float32 |")
     print("|---|---:|---:|---:|")
     print(f"| float32 (the GGUF's weights dequantized) | {math.exp(-sum(ref) / n):.3f} | - | - |")
-    fused = engine.core.model.scripted
-    unfused = scripted.build(engine.core.model, fused=False)
+    core = engine.core
+    assert core is not None, "engine not loaded"
+    fused = core.model.scripted
+    unfused = scripted.build(core.model, fused=False)
     for label, small, decode in (
             ("bfloat16 (batches above 4 rows; --batch-invariant), as ATen calls", False, unfused),
             ("bfloat16, with the fused RMSNorm and RoPE of kernels.cpp (the default where they build)", False, fused),
             ("small-batch kernels (float32 attention, int4 + refined head), as ATen calls", True, unfused),
             ("small-batch kernels, through the fused CPU kernels (the default where they build)", True, fused)):
-        engine.core.model.scripted = decode
+        core.model.scripted = decode
         if decode is fused and not (fused is not None and (fused.fused_small if small else fused.fused_batch)):
             label += " [the kernels did not build: ATen calls]"
         lps, top = score(engine, ids, small=small)
