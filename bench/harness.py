@@ -260,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     mix = ", ".join(f"{name} ({len(load.results)} requests)" for name, load in ours.loads.items())
     lines = [f"# {kind}{' (quick)' if args.quick else ''}: {stamp}", "",
              f"- hardware: {machine_line(args)}",
-             f"- model: {engine_dir.name}" + (f"; the peer serves the same weights from `{gguf.name}`" if gguf else ""),
+             f"- model: {engine_dir.name}"
+             + (f"; the peers serve the same weights from `{gguf.name}`" if peer_runs and gguf else ""),
              f"- request mix: {args.tokens} tokens per request (8 in the prefill scenarios), temperature 0; {mix}",
              f"- command: `{cmd.strip()}` (took {(time.monotonic() - t_start) / 60:.1f} min)",
              f"- code: {revision}",
