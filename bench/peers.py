@@ -63,6 +63,7 @@ def ensure_llamacpp_venv(venv: Path = LLAMACPP_VENV, timeout_s: float = 1800.0) 
     if py.exists() and subprocess.run([str(py), "-c", "import llama_cpp.server, psutil"],
                                       capture_output=True).returncode == 0:
         return py
+    ensure_build_tools()  # the wheel is compiled from source
     print(f"[bench] installing {LLAMACPP_SPEC} into {venv} (compiles; several minutes) ...", flush=True)
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
