@@ -85,6 +85,22 @@ class LoadResult:
         return len(self.results) - len(self.ok)
 
 
+STALE_TRIES = 3
+
+
+async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout_s: float) -> aiohttp.ClientResponse:
+    """POST ``body``; again when the pooled connection it went out on turns out closed before any answer
+    (llama-server closes a connection after a streamed response without saying so, and the pool may hand it
+    out before its close is seen): such a request never reached the server."""
+    for attempt in range(STALE_TRIES):
+        try:
+            return await http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s))
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+            if attempt == STALE_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 async def stream_completion(http: aiohttp.ClientSession, base_url: str, model: str, prompt: str, max_tokens: int,
                             *, extra: dict[str, Any] | None = None, timeout_s: float = 300.0) -> StreamResult:
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
@@ -94,8 +110,7 @@ async def stream_completion(http: aiohttp.ClientSession, base_url: str, model: s
     usage_tokens: int | None = None
     t0 = time.perf_counter()
     try:
-        async with http.post(f"{base_url}/v1/completions", json=body,
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with await post(http, f"{base_url}/v1/completions", body, timeout_s) as resp:
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return res

@@ -1,20 +1,23 @@
-"""``make bench``: our server against llama.cpp (llama-cpp-python's server, and llama.cpp in process) on the same
-GGUF model.
+"""``make bench``: our server against llama.cpp on the same GGUF model: llama.cpp's own server (``llama-server``),
+llama-cpp-python's server, and llama.cpp in process.
 
-    python -m bench.harness                 # ours, the llama.cpp server, llama.cpp in process (~10 min)
-    python -m bench.harness --quick         # fewer requests per scenario (~5 min)
-    python -m bench.harness --ours-only --no-inproc   # ours alone (no llama-cpp-python install)
+    python -m bench.harness                 # ours, both llama.cpp servers, llama.cpp in process (~12 min)
+    python -m bench.harness --quick         # fewer requests per scenario (~6 min)
+    python -m bench.harness --peers llama-server --no-inproc   # ours against llama-server only
+    python -m bench.harness --ours-only --no-inproc   # ours alone (nothing to build or install)
     python -m bench.harness --device cuda   # GPU: ours only, 1/16/64 streams, batch-1 memory-bandwidth roofline
 
 Request mix (temperature 0, 128 tokens each): one stream with a short and with a ~230-token prompt, then 4 and 16
-concurrent closed-loop streams; aggregate tokens/s, p50/p99 latency, time to first token; RSS and start-up time.
-Both servers are up together and each scenario runs on ours, then right after on the peer, so that each ratio
-compares figures taken seconds apart even on a machine whose speed drifts.
+concurrent closed-loop streams, then two prefill scenarios; aggregate tokens/s, p50/p99 latency, time to first token;
+RSS and start-up time. All servers are up together and each scenario runs on ours, then right after on each peer in
+turn, so that each ratio compares figures taken seconds apart even on a machine whose speed drifts.
 
 The report is written afresh to ``bench/results/<machine-label>.md`` (one file per machine; ``--label`` names it),
-and a copy with the server commands, notes and profiles to ``bench/out/``. The peer runs from its own venv
-(``.cache/bench-llamacpp-venv``, installed on first use). Everything is bounded (per-request and start-up timeouts,
-``--max-minutes``), loopback only, and every process started is stopped on the way out.
+one table per peer, and a copy with the server commands, notes and profiles to ``bench/out/``. llama-cpp-python
+runs from its own venv (``.cache/bench-llamacpp-venv``, installed on first use); ``llama-server`` is built on first
+use from the llama.cpp sources vendored in the same llama-cpp-python release (``.cache/bench-llama-server/``).
+Everything is bounded (per-request and start-up timeouts, ``--max-minutes``), loopback only, and every process
+started is stopped on the way out.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from bench import peers
 from bench.report import (
     _ITEMSIZE,
     ServerRun,
-    build_table,
     default_peak_bw,
     fmt,
     git_revision,
@@ -43,9 +45,10 @@ from bench.report import (
     llamacpp_version,
     machine_label,
     machine_line,
+    peer_sections,
     weight_params,
 )
-from bench.rounds import drive
+from bench.rounds import drive, scenarios
 
 ROOT = peers.ROOT
 DEFAULT_ENGINE = ROOT / "engines" / "SmolLM2-135M-Instruct"
@@ -56,6 +59,20 @@ def start_server(server: peers.Server, run: ServerRun, args: argparse.Namespace)
     print(f"[bench] starting {server.name}: {' '.join(server.cmd)}", flush=True)
     run.startup_s = server.start(timeout_s=args.start_timeout)
     print(f"[bench] {server.name} ready in {run.startup_s:.2f} s, RSS {server.peak_rss / 2**20:.0f} MiB", flush=True)
+
+
+def peer_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in peers.PEERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown peer {', '.join(unknown)}; known: {', '.join(peers.PEERS)}")
+    return names
+
+
+def llama_server_slots(args: argparse.Namespace) -> int:
+    """llama-server's parallel slots: the most concurrent streams of any scenario (unfiltered by --scenarios, so
+    that the server is the same whichever scenarios run), so that none of its requests waits for a slot."""
+    return max(sc.streams for sc in scenarios(argparse.Namespace(**{**vars(args), "scenarios": None})))
 
 
 def inproc(python: Path, kind: str, extra: list[str], timeout_s: float) -> dict[str, Any]:
@@ -87,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.harness", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer requests per scenario")
-    ap.add_argument("--ours-only", action="store_true", help="skip the llama.cpp peer")
+    ap.add_argument("--ours-only", action="store_true", help="skip the llama.cpp peers")
+    ap.add_argument("--peers", type=peer_list, default=list(peers.PEERS), metavar="NAME,...",
+                    help=f"the peers each scenario also runs on, in this order (default: {','.join(peers.PEERS)})")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: ours only, 1/16/64 streams, roofline")
     ap.add_argument("--peak-bw-gbs", type=float, default=None,
                     help="GPU peak memory bandwidth in GB/s (default: by GPU name, e.g. H200 = 4800)")
@@ -97,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", nargs="*", default=None, metavar="TEXT",
                     help="run only the scenarios whose names contain one of these (e.g. prefill)")
     ap.add_argument("--peer-threads", type=int, default=1, help="llama-cpp-python server --n_threads")
+    ap.add_argument("--llama-server-threads", type=int, default=0,
+                    help="llama-server -t (default: every core, as ours)")
     ap.add_argument("--ours-dtype", default="auto",
                     help="--dtype for our server and the in-process run (auto: each picks by itself, as served)")
     ap.add_argument("--ours-args", default="", help="extra flags for `trtserver serve` (space-separated)")
@@ -122,12 +143,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench] {engine_dir}: no engine; run `make engines` first", file=sys.stderr)
         return 2
 
+    peer_names = [] if ours_only else args.peers
     llama_py: Path | None = None
+    llama_bin: Path | None = None
     gguf: Path | None = None
-    if not ours_only or (args.inproc and not gpu):
-        llama_py = peers.ensure_llamacpp_venv()
+    if peer_names or (args.inproc and not gpu):
         gguf = (args.gguf or peers.find_gguf()).resolve()
+    if "llamacpp-python" in peer_names or (args.inproc and not gpu):
+        llama_py = peers.ensure_llamacpp_venv()
         print(f"[bench] peer: llama-cpp-python {llamacpp_version(llama_py)} on {gguf}", flush=True)
+    if "llama-server" in peer_names:
+        try:
+            llama_bin = peers.ensure_llama_server()
+            print(f"[bench] peer: {llama_bin} ({peers.llama_server_version(llama_bin)}) on {gguf}", flush=True)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            print(f"[bench] llama-server could not be built, so it is left out: {exc}", file=sys.stderr)
 
     ours_extra = args.ours_args.split()
     if args.ours_dtype != "auto":
@@ -136,11 +166,16 @@ def main(argv: list[str] | None = None) -> int:
         ours_extra += ["--max-batch-size", "64"]
     ours = ServerRun("ours")
     server = peers.ours(engine_dir, peers.free_port(), device=args.device, extra=ours_extra)
-    peer: ServerRun | None = None
-    pserver: peers.Server | None = None
-    if not ours_only and llama_py is not None and gguf is not None:
-        peer = ServerRun("llamacpp")
-        pserver = peers.llamacpp(llama_py, gguf, peers.free_port(), n_threads=args.peer_threads)
+    pservers: list[tuple[peers.Server, ServerRun]] = []
+    for name in peer_names:
+        if name == "llamacpp-python" and llama_py is not None and gguf is not None:
+            pserver = peers.llamacpp(llama_py, gguf, peers.free_port(), n_threads=args.peer_threads)
+        elif name == "llama-server" and llama_bin is not None and gguf is not None:
+            pserver = peers.llama_server(llama_bin, gguf, peers.free_port(), slots=llama_server_slots(args),
+                                         threads=args.llama_server_threads or os.cpu_count() or 1)
+        else:
+            continue
+        pservers.append((pserver, ServerRun(name)))
     with server, contextlib.ExitStack() as stack:
         try:
             start_server(server, ours, args)
@@ -149,19 +184,20 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         ours.notes.append(f"ours: `{' '.join(server.cmd)}` (dtype {args.ours_dtype})")
         driven: list[tuple[peers.Server, ServerRun, bool]] = [(server, ours, True)]
-        if pserver is not None and peer is not None:
+        for pserver, prun in pservers:
             stack.enter_context(pserver)
             try:
-                start_server(pserver, peer, args)
-                peer.notes.append(f"peer: `{' '.join(pserver.cmd)}`")
-                driven.append((pserver, peer, False))
+                start_server(pserver, prun, args)
+                prun.notes.append(f"{prun.name}: `{' '.join(pserver.cmd)}`")
+                driven.append((pserver, prun, False))
             except (RuntimeError, TimeoutError) as exc:
-                peer.notes.append(f"peer failed: {exc}")
+                prun.notes.append(f"{prun.name} failed: {exc}")
                 print(f"[bench] {exc}\n{pserver.log_text()[-2000:]}", flush=True)
         asyncio.run(drive(driven, args, deadline))
+    peer_runs = [run for _, run, is_ours in driven if not is_ours]
     dtype = args.ours_dtype
 
-    notes = ours.notes + (peer.notes if peer else [])
+    notes = ours.notes + [n for _, prun in pservers for n in prun.notes]
     inproc_results: dict[str, dict[str, Any]] = {}
     paired: dict[str, Any] = {}
     if args.inproc and time.monotonic() < deadline:
@@ -177,8 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                                                         ["--gguf", str(gguf), "--threads", str(t), *repeat], 900)
 
     single = ours.loads.get("1 stream, short prompt") or ours.loads.get("1 stream")
-    sections: list[tuple[str, list[str]]] = [
-        ("Ours against the llama.cpp server" if peer else "Ours", build_table(ours, peer))]
+    sections = peer_sections(ours, peer_runs)
 
     inproc_rows = []
     for key, v in inproc_results.items():
@@ -219,25 +254,31 @@ def main(argv: list[str] | None = None) -> int:
             f"| {params / 1e6:.1f} M params × {_ITEMSIZE[serve_dtype]} B ({serve_dtype}) | {achieved:.1f} GB/s | "
             f"{frac} |"]))
 
-    kind = "GPU" if gpu else ("ours only" if ours_only else "against llama.cpp")
+    kind = "GPU" if gpu else ("against llama.cpp" if peer_runs else "ours only")
     cmd = "python -m bench.harness " + " ".join(argv if argv is not None else sys.argv[1:])
     stamp = dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     mix = ", ".join(f"{name} ({len(load.results)} requests)" for name, load in ours.loads.items())
     lines = [f"# {kind}{' (quick)' if args.quick else ''}: {stamp}", "",
              f"- hardware: {machine_line(args)}",
-             f"- model: {engine_dir.name}" + (f"; the peer serves the same weights from `{gguf.name}`" if gguf else ""),
+             f"- model: {engine_dir.name}"
+             + (f"; the peers serve the same weights from `{gguf.name}`" if peer_runs and gguf else ""),
              f"- request mix: {args.tokens} tokens per request (8 in the prefill scenarios), temperature 0; {mix}",
              f"- command: `{cmd.strip()}` (took {(time.monotonic() - t_start) / 60:.1f} min)",
              f"- code: {revision}",
              "- load average (1/5/15 min) at start {:.1f}/{:.1f}/{:.1f}, at end {:.1f}/{:.1f}/{:.1f} "
-             "on {} cores".format(*load_before, *os.getloadavg(), os.cpu_count())]
-    if llama_py is not None:
-        lines.append(f"- peer: llama-cpp-python {llamacpp_version(llama_py)}, --n_threads {args.peer_threads}")
+             "on {} cores".format(*load_before, *os.getloadavg(), os.cpu_count() or 1)]
+    for _, prun in pservers:
+        if prun.name == "llamacpp-python" and llama_py is not None:
+            lines.append(f"- peer: llama-cpp-python {llamacpp_version(llama_py)}, --n_threads {args.peer_threads}")
+        elif prun.name == "llama-server" and llama_bin is not None:
+            lines.append(f"- peer: llama-server built from llama-cpp-python {peers.LLAMACPP_VERSION}'s llama.cpp "
+                         f"({peers.llama_server_version(llama_bin)}), -np {llama_server_slots(args)}, "
+                         f"-t {args.llama_server_threads or os.cpu_count()}")
     for title, table in sections:
         lines += ["", f"## {title}", "", *table]
     lines += ["", "ours/peer: ↑ higher is better, ↓ lower is better; p99 over few samples is the maximum."]
     report = "\n".join(lines) + "\n"
-    counted = {f"{r.name}: {ld.counted_by}" for r in (ours, peer) if r for ld in r.loads.values()}
+    counted = {f"{r.name}: {ld.counted_by}" for r in (ours, *peer_runs) for ld in r.loads.values()}
     raw = [report, "## Notes", "", *[f"- {n}" for n in notes],
            f"- token counting: {', '.join(sorted(counted))} (usage = stream_options.include_usage; "
            "chunks = one SSE chunk per token)"]

@@ -1,4 +1,6 @@
-"""Start, watch and stop the servers the harness compares: ours (``trtserver serve``) and llama-cpp-python's.
+"""Start, watch and stop the servers the harness compares: ours (``trtserver serve``), llama-cpp-python's and
+llama.cpp's own ``llama-server`` (built from the llama.cpp sources that llama-cpp-python vendors, so both peers
+run the same llama.cpp).
 
 Everything is bounded: installs, start-up waits and shutdowns have time limits, and every process started here
 is stopped by its own pid (its process group) when the harness leaves, error or not.
@@ -12,6 +14,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -21,8 +25,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache"
 LLAMACPP_VENV = CACHE / "bench-llamacpp-venv"
-LLAMACPP_SPEC = "llama-cpp-python[server]"
+LLAMACPP_VERSION = "0.3.36"  # llama-cpp-python, and the llama.cpp it vendors that llama-server is built from
+LLAMACPP_SPEC = f"llama-cpp-python[server]=={LLAMACPP_VERSION}"
+LLAMA_SERVER_DIR = CACHE / "bench-llama-server"
 OUT = ROOT / "bench" / "out"
+
+# the peers ``bench.harness --peers`` knows, by name, and what the report calls them
+PEERS = {"llamacpp-python": "llama-cpp-python's server (`llama_cpp.server`)",
+         "llama-server": "llama.cpp's own server (`llama-server`)"}
 
 
 def free_port() -> int:
@@ -53,12 +63,97 @@ def ensure_llamacpp_venv(venv: Path = LLAMACPP_VENV, timeout_s: float = 1800.0) 
     if py.exists() and subprocess.run([str(py), "-c", "import llama_cpp.server, psutil"],
                                       capture_output=True).returncode == 0:
         return py
+    ensure_build_tools()  # the wheel is compiled from source
     print(f"[bench] installing {LLAMACPP_SPEC} into {venv} (compiles; several minutes) ...", flush=True)
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     subprocess.run([str(py), "-m", "pip", "install", "-q", LLAMACPP_SPEC, "psutil", "py-spy"], check=True,
                    timeout=timeout_s)
     return py
+
+
+def cpuinfo() -> tuple[str, set[str]]:
+    """The CPU's model name and its feature flags, from /proc/cpuinfo (empty elsewhere)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "", set()
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+    return name, flags
+
+
+# ggml's x86 options and the /proc/cpuinfo flag each one needs
+GGML_ISA_OPTIONS = {"GGML_SSE42": "sse4_2", "GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma",
+                    "GGML_F16C": "f16c", "GGML_BMI2": "bmi2", "GGML_AVX_VNNI": "avx_vnni",
+                    "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi", "GGML_AVX512_VNNI": "avx512_vnni",
+                    "GGML_AVX512_BF16": "avx512_bf16"}
+
+
+def llama_server_cmake_args(flags: set[str]) -> list[str]:
+    """Configure flags for a portable build for this CPU: every instruction set named from its flags (never
+    GGML_NATIVE), AMX off (its tile instructions die with SIGILL on some machines that report it), one static
+    binary, no HTTPS, no web UI (whose assets would be downloaded)."""
+    isa = [f"-D{opt}={'ON' if flag in flags else 'OFF'}" for opt, flag in GGML_ISA_OPTIONS.items()]
+    return ["-DGGML_NATIVE=OFF", *isa, "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+            "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON",
+            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF",
+            "-DLLAMA_USE_PREBUILT_UI=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DCMAKE_BUILD_TYPE=Release"]
+
+
+BUILD_TOOLS = {"cmake": "cmake", "make": "make", "c++": "g++"}  # executable -> Debian package
+
+
+def ensure_build_tools() -> None:
+    """cmake, make and a C++ compiler; the missing ones from apt-get (as root, else through sudo)."""
+    missing = [pkg for exe, pkg in BUILD_TOOLS.items() if shutil.which(exe) is None]
+    if not missing:
+        return
+    if shutil.which("apt-get") is None:
+        raise RuntimeError(f"building llama-server needs {', '.join(missing)}; install them")
+    sudo = [] if os.geteuid() == 0 else ["sudo"]
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    print(f"[bench] installing {' '.join(missing)} (apt-get) ...", flush=True)
+    subprocess.run([*sudo, "apt-get", "update", "-qq"], check=True, env=env, timeout=600)
+    subprocess.run([*sudo, "apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing], check=True,
+                   env=env, timeout=1200)
+
+
+def ensure_llama_server(version: str = LLAMACPP_VERSION, cache: Path = LLAMA_SERVER_DIR, *, jobs: int = 2,
+                        timeout_s: float = 3600.0) -> Path:
+    """llama.cpp's ``llama-server``, built once (at the lowest CPU priority) from the llama.cpp sources vendored in
+    the llama-cpp-python ``version`` sdist, then reused from ``cache/<version>/``."""
+    binary = cache / version / "llama-server"
+    if os.access(binary, os.X_OK):
+        return binary
+    ensure_build_tools()
+    print(f"[bench] building llama-server from llama-cpp-python {version}'s llama.cpp into {binary.parent} "
+          f"(several minutes) ...", flush=True)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="bench-llama-server-") as tmp:
+        work = Path(tmp)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", "llama-cpp-python",
+                        f"llama-cpp-python=={version}", "-d", str(work)], check=True, timeout=900)
+        sdist = next(work.glob("llama_cpp_python-*.tar.gz"), None)
+        if sdist is None:
+            raise RuntimeError(f"pip download left no llama-cpp-python {version} sdist in {work}")
+        with tarfile.open(sdist) as tar:
+            tar.extractall(work, filter="data")
+        src = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"), None)
+        if src is None:
+            raise RuntimeError(f"the llama-cpp-python {version} sdist vendors no llama.cpp")
+        build = work / "build"
+        nice = ["nice", "-n", "19"]
+        subprocess.run([*nice, "cmake", "-S", str(src), "-B", str(build), *llama_server_cmake_args(cpuinfo()[1])],
+                       check=True, timeout=600, stdout=subprocess.DEVNULL)
+        subprocess.run([*nice, "cmake", "--build", str(build), "--target", "llama-server", f"-j{jobs}"], check=True,
+                       timeout=timeout_s, stdout=subprocess.DEVNULL)
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        partial = binary.with_name("llama-server.partial")
+        shutil.copy2(build / "bin" / "llama-server", partial)
+        partial.replace(binary)  # whole or absent: a build cut short is not mistaken for a finished one
+    print(f"[bench] built {binary} in {(time.monotonic() - t0) / 60:.1f} min", flush=True)
+    return binary
 
 
 def process_tree(pid: int) -> list[int]:
@@ -147,6 +242,7 @@ class Server:
     ready_path: str
     env: dict[str, str] = field(default_factory=dict)
     cwd: Path = ROOT
+    ignore_eos: bool = True  # honours the ``ignore_eos`` request field
     proc: subprocess.Popen[bytes] | None = None
     startup_s: float = float("nan")
     peak_rss: int = 0
@@ -228,4 +324,21 @@ def llamacpp(py: Path, gguf: Path, port: int, *, n_threads: int = 1, n_ctx: int 
     # another request waits, which would cut every concurrent stream short; with it off, requests queue
     cmd = [str(py), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
            "--n_threads", str(n_threads), "--n_ctx", str(n_ctx), "--interrupt_requests", "False"]
-    return Server("llamacpp", cmd, port, "/v1/models")
+    return Server("llamacpp-python", cmd, port, "/v1/models", ignore_eos=False)
+
+
+def llama_server(binary: Path, gguf: Path, port: int, *, slots: int, threads: int, n_ctx: int = 2048) -> Server:
+    """llama.cpp's own server: ``slots`` sequences decoded together (continuous batching, on by default), each
+    with ``n_ctx`` tokens of context; EOS is banned per request (``ignore_eos``), as for ours."""
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+           "-t", str(threads), "-c", str(n_ctx * slots), "--no-webui"]
+    return Server("llama-server", cmd, port, "/health")
+
+
+def llama_server_version(binary: Path) -> str:
+    """``llama-server --version``'s line, e.g. ``version: 1 (0c1e570)``."""
+    try:
+        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    return next((line.strip() for line in (out.stdout + out.stderr).splitlines() if line.startswith("version")), "?")

@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 @torch.inference_mode()
 def score(engine: TorchEngine, ids: list[int], small: bool) -> tuple[list[float], list[int]]:
     """Logprob of each next token of ``ids`` and the top-1 prediction, one decode step per token."""
-    core, runner = engine.core, engine.core.model_runner
+    core = engine.core
+    assert core is not None, "engine not loaded"
+    runner = core.model_runner
     model, device = core.model, core.device
     logprobs, top1 = [], []
     for i in range(len(ids) - 1):
@@ -55,14 +57,16 @@ def main() -> None:
     print("| path | perplexity | top-1 = float32's | largest logprob difference from float32 |")
     print("|---|---:|---:|---:|")
     print(f"| float32 (the GGUF's weights dequantized) | {math.exp(-sum(ref) / n):.3f} | - | - |")
-    fused = accelerate(engine.core.model)
-    unfused = accelerate(engine.core.model, fused=False)
+    core = engine.core
+    assert core is not None, "engine not loaded"
+    fused = accelerate(core.model)
+    unfused = accelerate(core.model, fused=False)
     for label, small, decode in (
             ("bfloat16 (batches above 4 rows; --batch-invariant), as ATen calls", False, unfused),
             ("bfloat16, with the fused RMSNorm and RoPE of kernels.cpp (the default where they build)", False, fused),
             ("small-batch kernels (float32 attention, int4 + refined head), as ATen calls", True, unfused),
             ("small-batch kernels, through the fused CPU kernels (the default where they build)", True, fused)):
-        engine.core.model_runner.accelerated = decode
+        core.model_runner.accelerated = decode
         if decode is fused and not (fused is not None and (fused.fused_small if small else fused.fused_batch)):
             label += " [the kernels did not build: ATen calls]"
         lps, top = score(engine, ids, small=small)

@@ -1,4 +1,4 @@
-"""The harness's report: the ours/peer table, the machine and code it ran on, GPU roofline facts."""
+"""The harness's report: one ours/peer table per peer, the machine and code it ran on, GPU roofline facts."""
 
 from __future__ import annotations
 
@@ -77,7 +77,15 @@ def ratio(a: float, b: float) -> float:
     return a / b if b and a == a and b == b else float("nan")
 
 
-def build_table(ours: ServerRun, peer: ServerRun | None, peer_name: str = "llama.cpp server") -> list[str]:
+def peer_sections(ours: ServerRun, peer_runs: list[ServerRun]) -> list[tuple[str, list[str]]]:
+    """One (title, table) per peer, in the order they ran; ours alone when there is none."""
+    if not peer_runs:
+        return [("Ours", build_table(ours, None))]
+    return [(f"Ours against {peers.PEERS.get(run.name, run.name)}", build_table(ours, run, run.name))
+            for run in peer_runs]
+
+
+def build_table(ours: ServerRun, peer: ServerRun | None, peer_name: str = "peer") -> list[str]:
     """Ours against one peer server, scenario by scenario (the peer's column is ``-`` without one)."""
     rows = [f"| metric | ours | {peer_name} | ours/peer |", "|---|---:|---:|---:|"]
 
@@ -116,17 +124,6 @@ def build_table(ours: ServerRun, peer: ServerRun | None, peer_name: str = "llama
     return rows
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
-    """The CPU's model name and its feature flags, from /proc/cpuinfo (empty elsewhere)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "", set()
-    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
-    flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
-    return name, flags
-
-
 def vector_isa(flags: set[str]) -> str:
     """The widest vector extensions the engine's CPU kernels can use here."""
     if "avx512_bf16" in flags:
@@ -143,14 +140,14 @@ def machine_label(device: str) -> str:
     if device != "cpu":
         name = gpu_name() or "gpu"
     else:
-        cpu, flags = _cpuinfo()
+        cpu, flags = peers.cpuinfo()
         isa = "avx512" if "avx512f" in flags else ("avx2" if "avx2" in flags else "")
         name = f"{cpu or platform.machine()} {os.cpu_count()}c {isa}"
     return re.sub(r"[^a-z0-9]+", "-", name.lower().replace("(r)", "").replace("(tm)", "")).strip("-")
 
 
 def machine_line(args: argparse.Namespace) -> str:
-    cpu, flags = _cpuinfo()
+    cpu, flags = peers.cpuinfo()
     import torch
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30

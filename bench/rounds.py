@@ -75,13 +75,9 @@ async def probe_extra(server: peers.Server, model: str, tokens: int, ours: bool)
     """The request fields this server gets, and what was found out about them (ignore_eos, include_usage)."""
     notes: list[str] = []
     extra: dict[str, Any] = {"stream_options": {"include_usage": True}}
-    if ours:
-        extra["ignore_eos"] = True
-    else:
+    if not ours:
         # does it accept stream_options? (if it rejects it, count chunks)
-        from bench.client import run_load as _load
-
-        trial = await _load(server.base_url, model, SHORT, 4, 1, 1, extra=extra, timeout_s=60)
+        trial = await run_load(server.base_url, model, SHORT, 4, 1, 1, extra=extra, timeout_s=60)
         r = trial.results[0]
         if not r.ok:
             extra = {}
@@ -89,10 +85,13 @@ async def probe_extra(server: peers.Server, model: str, tokens: int, ours: bool)
         elif r.counted_by != "usage":
             notes.append(f"{server.name}: stream_options.include_usage accepted but no usage chunk sent; "
                          "tokens counted as SSE chunks")
+    if server.ignore_eos:
+        extra["ignore_eos"] = True
+    else:
         # ignore_eos: send it and see whether it changes anything; the prompts are chosen not to stop early anyway
         try:
             n, finish, _ = await completion_usage(server.base_url, model, SHORT, tokens, {"ignore_eos": True})
-            notes.append(f"{server.name}: `ignore_eos` is not a field of llama-cpp-python's server (sent, silently "
+            notes.append(f"{server.name}: `ignore_eos` is not a field of this server (sent, silently "
                          f"ignored; not sent in the runs); the prompts are chosen to run past {tokens} tokens "
                          f"(non-streamed check: {n} tokens, finish_reason={finish})")
         except Exception as exc:  # noqa: BLE001 - reported, not fatal
@@ -108,7 +107,7 @@ async def probe_extra(server: peers.Server, model: str, tokens: int, ours: bool)
 async def drive(servers: list[tuple[peers.Server, ServerRun, bool]], args: argparse.Namespace,
                 deadline: float) -> None:
     """Every scenario for every server, one server right after the other: this machine's speed drifts by
-    tens of percent over minutes, so ours and the peer's figures for a scenario are taken seconds apart."""
+    tens of percent over minutes, so ours and each peer's figures for a scenario are taken seconds apart."""
     models: dict[str, str] = {}
     extras: dict[str, dict[str, Any]] = {}
     for server, run, ours in servers:
@@ -147,7 +146,7 @@ async def run_scenario(server: peers.Server, run: ServerRun, sc: Scenario, model
         errors = {r.error for r in load.results if not r.ok}
         run.notes.append(f"{server.name} '{sc.name}': {load.failures} failed {sorted(errors)[:2]}, "
                          f"{len(short)} streams not {tokens} tokens ({short[:5]})")
-    print(f"[bench] {server.name:9s} {sc.name:28s} agg {load.agg_tps:7.1f} tok/s  per-stream "
+    print(f"[bench] {server.name:15s} {sc.name:33s} agg {load.agg_tps:7.1f} tok/s  per-stream "
           f"{load.per_stream_tps:6.1f} tok/s  ttft p50 {1000 * load.pct('ttft_s', 50):7.0f} ms  "
           f"lat p50 {load.pct('latency_s', 50):6.2f} s p99 {load.pct('latency_s', 99):6.2f} s  "
           f"[{load.counted_by}]", flush=True)
