@@ -21,10 +21,15 @@ from trtserver.engine.torch.cpu.weights import kernel_switch
 from trtserver.engine.torch.model import Attend, ForwardContext, Transformer, sdpa_attention
 
 if TYPE_CHECKING:
-    from trtserver.engine.torch.graphs import DecodeGraphs
     from trtserver.engine.torch.lora import LoraManager
     from trtserver.engine.torch.scheduler import PrefillChunk
     from trtserver.engine.torch.sequence import Sequence
+
+class GraphedDecode(Protocol):
+    """What the runner needs of the captured decode graphs (``graphs.DecodeGraphs``, which takes the runner)."""
+
+    def decode(self, seqs: list[Sequence]) -> Tensor: ...
+
 
 SMALL_BATCH = 4
 """Decode batches up to this many rows take the small-batch kernels (CPU): float32 attention and the
@@ -65,7 +70,7 @@ class ModelRunner:
         self.lora = lora
         self.accelerated = decode
         self.kernels = kernel_switch(model)  # the quantized projections' small-batch switch, if any
-        self.graphs: DecodeGraphs | None = None  # on CUDA (graphs.py)
+        self.graphs: GraphedDecode | None = None  # on CUDA (graphs.py)
 
     def prefill(self, chunks: list[PrefillChunk]) -> Tensor:
         """Hidden states of every chunk's tokens, ``(B, T, dim)``, row b chunk b, padded at the end."""
