@@ -69,7 +69,10 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         self.command = [sys.executable, "-m", "trtserver.cli", "serve", str(engine_dir), "--engine", "torch",
                         "--port", str(self.port), *flags]
-        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
+        # a small guide cache, so that its bound (not the default 256 MiB) is what the RSS check holds the
+        # slow-guide abusers' ever new guides to
+        env = {**os.environ, "TRTSERVER_GUIDED_CACHE_MB": os.environ.get("TRTSERVER_GUIDED_CACHE_MB", "8")}
+        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
 
     async def wait_ready(self, timeout: float = 180.0) -> float:
         t0 = time.monotonic()
