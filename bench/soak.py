@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import itertools
 import json
 import os
 import re
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.abuse import ABUSE_KINDS, BODY_TIMEOUT_S, HEAD_TIMEOUT_S, Malformed, abuse
 from bench.peers import stop_process
 
 REPO = Path(__file__).resolve().parent.parent
@@ -76,12 +76,12 @@ class ServerProcess:
 
     async def wait_ready(self, timeout: float = 180.0) -> float:
         t0 = time.monotonic()
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
             while time.monotonic() - t0 < timeout:
                 if self.process.poll() is not None:
                     raise RuntimeError(f"server exited with {self.process.returncode}; see {self.log_path}")
                 try:
-                    async with session.get(f"{self.base}/health") as response:
+                    async with http.get(f"{self.base}/health") as response:
                         if response.status == 200:
                             return time.monotonic() - t0
                 except (aiohttp.ClientError, TimeoutError):
@@ -100,9 +100,9 @@ class ServerProcess:
         return self.process.returncode
 
 
-async def scrape(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
+async def scrape(http: aiohttp.ClientSession, base: str) -> dict[str, float]:
     """The unlabelled gauges and counters of /metrics."""
-    async with session.get(f"{base}/metrics") as response:
+    async with http.get(f"{base}/metrics") as response:
         text = await response.text()
     values = {}
     for line in text.splitlines():
@@ -116,9 +116,9 @@ async def wait_drained(base: str, timeout: float) -> tuple[float, dict[str, floa
     """Seconds until running, waiting and KV slots all read 0 (or the last reading at ``timeout``)."""
     t0 = time.monotonic()
     names = ("trtserver_running_sequences", "trtserver_queue_depth", "trtserver_kv_slots_used")
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
         while True:
-            values = await scrape(session, base)
+            values = await scrape(http, base)
             if all(values.get(name) == 0 for name in names):
                 return time.monotonic() - t0, values
             if time.monotonic() - t0 > timeout:
@@ -153,10 +153,6 @@ class Tally:
             self.error_samples.append(f"{kind}: {what[:300]}")
 
 
-class Malformed(Exception):
-    pass
-
-
 async def sse_events(response: aiohttp.ClientResponse) -> collections.abc.AsyncIterator[str]:
     async for raw in response.content:
         line = raw.decode().strip()
@@ -164,11 +160,11 @@ async def sse_events(response: aiohttp.ClientResponse) -> collections.abc.AsyncI
             yield line[len("data: "):]
 
 
-async def run_stream(session: aiohttp.ClientSession, base: str, prompt: str, tally: Tally) -> None:
+async def run_stream(http: aiohttp.ClientSession, base: str, prompt: str, tally: Tally) -> None:
     tokens = 16
     body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    async with session.post(f"{base}/v1/completions", json=body) as response:
+    async with http.post(f"{base}/v1/completions", json=body) as response:
         if response.status != 200:
             raise Malformed(f"HTTP {response.status}: {(await response.text())[:200]}")
         events = [event async for event in sse_events(response)]
@@ -184,15 +180,15 @@ async def run_stream(session: aiohttp.ClientSession, base: str, prompt: str, tal
     tally.tokens += tokens
 
 
-async def run_json(session: aiohttp.ClientSession, base: str, body: dict[str, object]) -> dict[str, object]:
-    async with session.post(f"{base}/v1/completions", json=body) as response:
+async def run_json(http: aiohttp.ClientSession, base: str, body: dict[str, object]) -> dict[str, object]:
+    async with http.post(f"{base}/v1/completions", json=body) as response:
         if response.status != 200:
             raise Malformed(f"HTTP {response.status}: {(await response.text())[:200]}")
         return await response.json()  # type: ignore[no-any-return]
 
 
-async def run_n2(session: aiohttp.ClientSession, base: str, prompt: str, tally: Tally) -> None:
-    result = await run_json(session, base, {"prompt": prompt, "max_tokens": 12, "n": 2, "temperature": 0.8,
+async def run_n2(http: aiohttp.ClientSession, base: str, prompt: str, tally: Tally) -> None:
+    result = await run_json(http, base, {"prompt": prompt, "max_tokens": 12, "n": 2, "temperature": 0.8,
                                             "ignore_eos": True})
     choices = result["choices"]
     if not isinstance(choices, list) or sorted(c["index"] for c in choices) != [0, 1]:
@@ -200,17 +196,17 @@ async def run_n2(session: aiohttp.ClientSession, base: str, prompt: str, tally: 
     tally.tokens += result["usage"]["completion_tokens"]  # type: ignore[index]
 
 
-async def run_logprobs(session: aiohttp.ClientSession, base: str, prompt: str, tally: Tally) -> None:
-    result = await run_json(session, base, {"prompt": prompt, "max_tokens": 12, "logprobs": 2, "ignore_eos": True})
+async def run_logprobs(http: aiohttp.ClientSession, base: str, prompt: str, tally: Tally) -> None:
+    result = await run_json(http, base, {"prompt": prompt, "max_tokens": 12, "logprobs": 2, "ignore_eos": True})
     logprobs = result["choices"][0]["logprobs"]  # type: ignore[index]
     if len(logprobs["tokens"]) != 12 or len(logprobs["top_logprobs"]) != 12:
         raise Malformed(f"logprobs answer: {logprobs}")
     tally.tokens += 12
 
 
-async def run_disconnect(session: aiohttp.ClientSession, base: str, prompt: str, tally: Tally) -> None:
+async def run_disconnect(http: aiohttp.ClientSession, base: str, prompt: str, tally: Tally) -> None:
     body = {"prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}
-    response = await session.post(f"{base}/v1/completions", json=body)
+    response = await http.post(f"{base}/v1/completions", json=body)
     try:
         if response.status != 200:
             raise Malformed(f"HTTP {response.status}: {(await response.text())[:200]}")
@@ -228,97 +224,14 @@ async def run_disconnect(session: aiohttp.ClientSession, base: str, prompt: str,
 RUNNERS = {"stream": run_stream, "n2": run_n2, "logprobs": run_logprobs, "disconnect": run_disconnect}
 
 
-# --- the abusers ------------------------------------------------------------------------------------
-
-ABUSE_KINDS = ("deep_json", "bad_gzip", "bad_request_id", "bad_chunk", "slow_head", "cut_body", "slow_reader",
-               "slow_guide")
-_guides = itertools.count(1000)
-HEAD_TIMEOUT_S, BODY_TIMEOUT_S = 2.0, 3.0  # the server's --header-timeout-s / --body-timeout-s here
-
-
-async def _raw(port: int, data: bytes, *, pause_s: float = 0.0, pieces: int = 1) -> bytes:
-    """``data`` over a fresh socket (in ``pieces``, ``pause_s`` apart), read meanwhile; what the server
-    sent until it closed (it may close before everything was sent: a deadline or a refusal)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-
-    async def send() -> None:
-        size = max(1, -(-len(data) // pieces))
-        for start in range(0, len(data), size):
-            writer.write(data[start:start + size])
-            await writer.drain()
-            if pause_s:
-                await asyncio.sleep(pause_s)
-
-    sender = asyncio.create_task(send())
-    try:
-        return await asyncio.wait_for(reader.read(-1), HEAD_TIMEOUT_S + BODY_TIMEOUT_S + 15)
-    finally:
-        sender.cancel()
-        await asyncio.gather(sender, return_exceptions=True)  # a reset while sending is the server closing
-        writer.close()
-
-
-def _request(body: bytes, headers: str = "", length: int | None = None) -> bytes:
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body) if length is None else length}\r\n{headers}\r\n").encode() + body
-
-
-def _expect_envelope(reply: bytes, status: int) -> None:
-    head, _, body = reply.partition(b"\r\n\r\n")
-    if not (head.startswith(b"HTTP/1.") and head[9:13] == b"%d " % status):
-        raise Malformed(f"expected {status}, got {head[:60]!r}")
-    if b"application/json" not in head or b"x-request-id" not in head.lower() or b'"error"' not in body:
-        raise Malformed(f"not the JSON envelope: {reply[:300]!r}")
-
-
-async def abuse(kind: str, session: aiohttp.ClientSession, base: str, port: int) -> None:
-    ok = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
-    if kind == "deep_json":
-        _expect_envelope(await _raw(port, _request(b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}")), 400)
-    elif kind == "bad_gzip":
-        _expect_envelope(await _raw(port, _request(ok, "Content-Encoding: gzip\r\n")), 400)
-    elif kind == "bad_request_id":
-        _expect_envelope(await _raw(port, _request(ok, "X-Request-Id: caf\u00e9\r\n")), 400)
-    elif kind == "bad_chunk":
-        head = _request(b"", "Transfer-Encoding: chunked\r\n").replace(b"Content-Length: 0\r\n", b"")
-        _expect_envelope(await _raw(port, head + b"zz\r\n" + ok + b"\r\n0\r\n\r\n"), 400)
-    elif kind == "slow_head":  # one byte every 0.25 s: the server answers 408 once the head is too late
-        _expect_envelope(await _raw(port, _request(ok)[:40], pause_s=0.25, pieces=40), 408)
-    elif kind == "cut_body":  # a head promising more body than ever comes: 408 after the body deadline
-        _expect_envelope(await _raw(port, _request(ok[:5], length=len(ok))), 408)
-    elif kind == "slow_guide":  # a guide that takes seconds to compile, new each time: compiled off the step loop
-        bound = next(_guides)
-        body = {"prompt": "Name:", "max_tokens": 6, "guided_regex": f"[a-z ]{{1,{bound}}}"}
-        async with session.post(f"{base}/v1/completions", json=body) as response:
-            answer = await response.json()
-        if response.status == 200:
-            text = answer["choices"][0]["text"]
-            if not re.fullmatch(r"[a-z ]*", text):
-                raise Malformed(f"guided text outside its regex: {text!r}")
-        elif response.status != 400 or "error" not in answer:  # 400: the compile time-out, in the envelope
-            raise Malformed(f"slow guide: HTTP {response.status} {str(answer)[:200]}")
-    elif kind == "slow_reader":  # reads a stream a line at a time with pauses; the whole stream still arrives
-        body = {"prompt": "Once upon a time", "max_tokens": 12, "ignore_eos": True, "stream": True}
-        async with session.post(f"{base}/v1/completions", json=body) as response:
-            if response.status != 200:
-                raise Malformed(f"HTTP {response.status}")
-            last = b""
-            async for line in response.content:
-                if line.strip():
-                    last = line.strip()
-                    await asyncio.sleep(0.05)
-            if last != b"data: [DONE]":
-                raise Malformed(f"slow reader's stream ended with {last[:100]!r}")
-
-
 async def abuser(index: int, base: str, port: int, deadline: float, tally: Tally) -> None:
     step = index
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as http:
         while time.monotonic() < deadline:
             kind = ABUSE_KINDS[step % len(ABUSE_KINDS)]
             step += 1
             try:
-                await asyncio.wait_for(abuse(kind, session, base, port), 60)
+                await asyncio.wait_for(abuse(kind, http, base, port), 60)
             except Malformed as exc:
                 tally.error(f"abuse:{kind}", str(exc))
             except (OSError, aiohttp.ClientError, TimeoutError) as exc:
@@ -332,14 +245,14 @@ async def client(index: int, base: str, deadline: float, tally: Tally, request_t
     # one connection per client (as separate users would have); a disconnect forces a fresh one
     connector = aiohttp.TCPConnector(limit=1)
     async with aiohttp.ClientSession(connector=connector,
-                                     timeout=aiohttp.ClientTimeout(total=request_timeout)) as session:
+                                     timeout=aiohttp.ClientTimeout(total=request_timeout)) as http:
         while time.monotonic() < deadline:
             kind = KINDS[step % len(KINDS)]
             prompt = PROMPTS[step % len(PROMPTS)]
             step += 1
             t0 = time.monotonic()
             try:
-                await RUNNERS[kind](session, base, prompt, tally)
+                await RUNNERS[kind](http, base, prompt, tally)
             except Malformed as exc:
                 tally.error(kind, str(exc))
             except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, KeyError, TypeError) as exc:
@@ -358,13 +271,13 @@ async def prime_kv_cache(base: str, slots: int, context: int) -> float:
     measurement, so what is left is growth the load itself causes."""
     body = {"prompt": "Once upon a time", "max_tokens": context - 8, "ignore_eos": True, "temperature": 0}
     t0 = time.monotonic()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
         guided = {"prompt": "Name:", "max_tokens": 4, "guided_regex": "[a-z ]{1,999}"}
-        async with session.post(f"{base}/v1/completions", json=guided) as response:
+        async with http.post(f"{base}/v1/completions", json=guided) as response:
             await response.read()  # loads the guide compiler in both processes, as the first guided request does
 
         async def one() -> None:
-            async with session.post(f"{base}/v1/completions", json=body) as response:
+            async with http.post(f"{base}/v1/completions", json=body) as response:
                 response.raise_for_status()
                 await response.read()
 
@@ -408,8 +321,8 @@ async def soak(args: argparse.Namespace) -> int:
         wall = time.monotonic() - start
         rss_end = server.rss_mb()
         drained_s, gauges = await wait_drained(server.base, timeout=args.drain_timeout)
-        async with aiohttp.ClientSession() as session:
-            counters = await scrape(session, server.base)
+        async with aiohttp.ClientSession() as http:
+            counters = await scrape(http, server.base)
         code = server.stop()
     finally:
         server.stop()
