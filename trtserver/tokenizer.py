@@ -92,7 +92,7 @@ class Tokenizer:
         """Every token's bytes, where the decoder is GPT-2's byte-level one: a token then always
         stands for the same bytes, and streamed text is just their UTF-8 decoding (``IncrementalDecoder``
         does that itself, a dict lookup where tokenizers' ``DecodeStream`` re-decodes a window of
-        tokens, ~40 µs a token on this server's cold caches). None for any other decoder."""
+        tokens). None for any other decoder."""
         if not isinstance(self._tok.decoder, ByteLevel):
             return None
         to_byte = byte_level_to_bytes()

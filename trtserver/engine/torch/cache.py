@@ -16,9 +16,9 @@ class KVCache:
     positions beyond a sequence's live length are finite and vanish under the attention mask.
 
     On the CPU the zeros are an anonymous ``mmap``: untouched pages are the kernel's shared zero
-    page, so a 16-slot × 8192-position cache costs memory only for the positions sequences reach,
-    and allocating it takes no time (``torch.zeros`` writes every byte: ~6 GB at float32). Not
-    numpy's calloc: numpy asks for transparent huge pages, and one write would then cost 2 MB.
+    page, so the cache costs memory only for the positions sequences reach, and allocating it
+    takes no time (``torch.zeros`` would write every byte). Not numpy's calloc: numpy asks for
+    transparent huge pages, and one write would then cost 2 MB.
     """
 
     def __init__(self, n_layers: int, num_slots: int, n_kv_heads: int, max_len: int, head_dim: int,

@@ -44,8 +44,8 @@ log = logging.getLogger(__name__)
 
 class TorchEngine(EngineBase):
     """With ``engine_process`` (the server's default) this object is the server's side only: it
-    checks requests and hands them to the engine process, and it never imports torch (~250 MiB of
-    the server's memory and a second of its start-up). Device, dtype and quantization are settled
+    checks requests and hands them to the engine process, and it never imports torch, which would
+    cost the server's process memory and start-up time. Device, dtype and quantization are settled
     where the model is loaded: in ``load()``, here or in the engine process, which reports them."""
 
     def __init__(self, config: ServerConfig, *, seed: int | None = None, quantize: str | None = None) -> None:

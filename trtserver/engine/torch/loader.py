@@ -82,11 +82,10 @@ def thread_counts(config: ServerConfig, device: torch.device) -> tuple[int, int]
     """Torch threads for (small, large) forwards (``EngineCore``). On CPU by default every core,
     with the model in its own process. With the model on a thread of the server
     (``--no-engine-process``) small decode batches get every core but one: their spinning
-    threads held up the server's Python on the shared GIL (1 stream 30-38 tokens/s on two
-    threads, 48-53 on one), so a core is left to the event loop; prefill and larger decode
-    batches, whose GEMMs pay for it, get every core. ``threads`` alone sets both;
-    ``batch_threads`` the second. A batch-invariant server keeps one count (the GEMMs'
-    blocking may follow it)."""
+    threads would hold up the server's Python on the shared GIL, so a core is left to the event
+    loop; prefill and larger decode batches, whose GEMMs pay for it, get every core. ``threads``
+    alone sets both; ``batch_threads`` the second. A batch-invariant server keeps one count (the
+    GEMMs' blocking may follow it)."""
     cores = os.cpu_count() or 1
     if device.type != "cpu":
         return (config.threads, config.threads) if config.threads > 0 else None
@@ -103,8 +102,8 @@ def load(path: Path, config: ServerConfig, placement: Placement, *, eos_token_id
 
     device = placement.device
     if device.type == "cpu":
-        # oneDNN caches a primitive per GEMM shape (1024 by default); with ever-new batch and chunk
-        # shapes that cache is what grew RSS under a soak. 256 holds the decode working set.
+        # oneDNN caches a primitive per GEMM shape (1024 by default), and ever-new batch and chunk
+        # shapes would grow RSS with it; 256 holds the decode working set.
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
     elif device.type == "cuda":
         torch.cuda.set_device(device)  # graphs capture and replay on the current device's streams
@@ -159,11 +158,9 @@ def resolve_device(name: str) -> torch.device:
 @functools.cache
 def pick_cpu_dtype() -> torch.dtype:
     """float32 or bfloat16, whichever decodes faster here: time decode-shaped GEMMs (1 and 8 rows)
-    over ~40 MB of weights in the layout the engine uses. bfloat16 wins where the CPU has native
-    bf16 dot products (avx512_bf16 / AMX: about 1.9x on this model); elsewhere float32 does.
-    Where /proc/cpuinfo lists those, bfloat16 without timing: on a busy machine the timing is noise
-    (it picked float32 on a loaded avx512_bf16 box, which then decoded at half speed), and it
-    costs ~1 s of start-up."""
+    over six projection-sized weights in the layout the engine uses. Where /proc/cpuinfo lists
+    native bf16 dot products (avx512_bf16 / AMX), bfloat16 without timing: it wins there, and on a
+    busy machine the timing is noise."""
     from trtserver.engine.torch.cpu.weights import PackedLinear, can_pack_for_cpu
 
     if _cpu_has_bf16():

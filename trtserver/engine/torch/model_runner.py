@@ -55,8 +55,8 @@ class ModelRunner:
 
         ``threads`` (CPU): torch threads for forwards of up to ``SMALL_BATCH`` rows (decode GEMVs,
         bound by reading weights: a second thread's hand-over costs more than it brings) and for
-        larger ones (prefill, big decode batches: their GEMMs are compute-bound and nearly halve on
-        two cores); None = leave torch's setting alone.
+        larger ones (prefill, big decode batches: their GEMMs are compute-bound and scale with the
+        cores); None = leave torch's setting alone.
 
         ``decode``: the accelerated decode (``cpu.accelerate(model)``), or None."""
         self.model, self.cache, self.device, self.max_len = model, cache, device, max_len
@@ -137,7 +137,7 @@ class ModelRunner:
 def attention_length(n: int) -> int:
     """``n`` rounded up to one of 8 lengths per octave (at least a multiple of 16); decode attends
     over that many keys with the tail masked. oneDNN builds a kernel for every new shape, and a
-    length that grows by one each step would need a new one every step (~0.6 ms per layer shape)."""
+    length that grows by one each step would need a new one every step."""
     granule = max(16, 1 << max(0, n.bit_length() - 4))
     return -(-n // granule) * granule
 

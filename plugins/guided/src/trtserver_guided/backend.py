@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from trtserver.guided import GuideContext, GuideSpec
 
 INSTALL_HINT = "pip install 'trtserver-guided[{extra}]'"
-# compiled guides kept per backend and process, by the bytes their library reports (xgrammar's: ~9 MB for [a-z]{1,1000})
+# compiled guides kept per backend and process, by the bytes their library reports (their sizes vary widely)
 CACHE_BYTES = int(os.environ.get("TRTSERVER_GUIDED_CACHE_MB", "256")) << 20
 
 

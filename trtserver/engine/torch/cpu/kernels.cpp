@@ -31,7 +31,7 @@ inline BFloat16 bf(float v) { return BFloat16(v); }  // round to nearest even, a
 
 // A softmax row in place, less its normalisation: e^(x - best) for each x, returning their sum. With AVX-512,
 // e^x is Cody-Waite's reduction to x = n ln 2 + r, Cephes' polynomial for e^r and vscalefps for 2^n, 16 at a
-// time (within ~2 ulp); std::exp, a scalar call, was half of the attention's time over long contexts.
+// time (within ~2 ulp), instead of a scalar std::exp call per score.
 float exp_row(float* x, int64_t n, float best) {
   int64_t t = 0;
   float total = 0.f;

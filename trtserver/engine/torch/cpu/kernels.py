@@ -1,10 +1,10 @@
 """Fused CPU kernels for the decode (``kernels.cpp``), built on this machine on first use.
 
-``torch.utils.cpp_extension`` compiles them with the system's C++ compiler and ninja (~10-30 s, once) into
+``torch.utils.cpp_extension`` compiles them once with the system's C++ compiler and ninja into
 ``TORCH_EXTENSIONS_DIR`` (by default ``~/.cache/torch_extensions``), under a name that digests the source,
 torch's version and the CPU, so a library is only ever loaded by the build it was made for. They register as
 ``torch.ops.trtserver.*``, which TorchScript can call. ``make engines`` builds them, so a server's start-up
-only loads the library (~0.15 s). Where no library is there yet, the build runs in a child process with a
+only loads the library. Where no library is there yet, the build runs in a child process with a
 time limit: a compiler that hangs, or a build lock left by a killed build, costs the engine its kernels,
 never its start. Without them the scripted decode issues the same work as ATen calls (``scripted.py``).
 

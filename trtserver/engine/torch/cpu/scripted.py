@@ -1,9 +1,8 @@
 """Decode steps through every layer as one TorchScript function (CPU).
 
-A decode step runs ~40 ATen calls per layer on small tensors, and on a 2-core CPU the Python that
-issues them cost as much as the kernels besides the projections. TorchScript's interpreter issues
-the same calls on the same tensors, so the results are the same bits, for less (measured in
-docs/perf-decisions.md).
+A decode step runs ~40 ATen calls per layer on small tensors, and the Python that issues them is a
+large share of a CPU step. TorchScript's interpreter issues the same calls on the same tensors, so
+the results are the same bits, for less (figures in docs/perf-decisions.md).
 
 Two functions, one per eager decode path of ``model.py``:
 - ``_small_decode``: batches of up to ``model_runner.SMALL_BATCH`` rows with int4 / int8 weight-only projections
@@ -13,8 +12,8 @@ Two functions, one per eager decode path of ``model.py``:
   copied into the dense buffers first, for bfloat16).
 Where the fused kernels of ``kernels.cpp`` load (bfloat16), ``_fused_decode`` and ``_fused_batch_decode``
 take their place: RMSNorm, RoPE with the K/V write and (small batches) the attention in one call each,
-a dozen calls per layer instead of ~40 (one row a further 0.72×, sixteen 0.89×). Their reductions sum
-in their own order, so they are close to the eager layers, not bit for bit.
+a dozen calls per layer instead of ~40. Their reductions sum in their own order, so they are close
+to the eager layers, not bit for bit.
 
 Prefill stays eager (its GEMMs dwarf the calls), and so do CUDA (it has its graphs) and, on a LoRA
 server, the batches with an adapter (the model runner sends those to the eager layers; its base batches
@@ -120,7 +119,7 @@ def _fused_decode(x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v
         x = x + _quantized(y, weights[w + 1], scales[w + 1], biases[w + 1], int4)
         gate, up = _quantized(torch.ops.trtserver.rms_norm(x, norms[2 * i + 1], eps), weights[w + 2], scales[w + 2],
                               biases[w + 2], int4).chunk(2, dim=-1)
-        # SiLU × up stays ATen's, whose exp is vectorised (as a kernel: 9 against 6 µs at one row)
+        # SiLU × up stays ATen's, whose exp is vectorised
         x = x + _quantized(F.silu(gate) * up, weights[w + 3], scales[w + 3], biases[w + 3], int4)
     return x
 
@@ -214,8 +213,8 @@ class ScriptedDecode:
                 ctx: ForwardContext) -> Tensor:
         B, _, dim = x.shape
         x2, slot_start = x.view(B, dim), -1 if ctx.slot_start is None else ctx.slot_start
-        # unoptimized: the profiling executor's first call took ~50 ms and new batch shapes re-profiled,
-        # for graphs it cannot fuse on the CPU anyway (steady steps: 8.9-9.1 ms either way)
+        # unoptimized: the profiling executor re-profiles every new batch shape, for graphs it cannot
+        # fuse on the CPU anyway
         with torch.jit.optimized_execution(False):
             if ctx.small and self.fused_small:
                 assert self._small is not None

@@ -26,7 +26,7 @@ class KernelSwitch:
 
 class PackedLinear(nn.Module):
     """A linear layer whose weight is stored in oneDNN's blocked layout once, at load, instead of
-    being repacked by every GEMM call: about 40% less time per decode step on 2 cores."""
+    being repacked by every GEMM call."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -67,7 +67,7 @@ class Int4Linear(nn.Module):
     with its own scale and zero (the layout of the GGUF Q4_1 blocks SmolLM2 ships in, so those
     weights come back nearly exactly). Decode is bound by reading weights, and int4 reads a
     quarter of bfloat16's bytes; prefill and larger batches keep the bfloat16 GEMM, which is
-    faster there than this kernel (its time grows with the rows: 6x from 1 to 16).
+    faster there than this kernel (whose time grows with the rows).
     """
 
     GROUP = 32
@@ -105,7 +105,7 @@ class Int4Head(Int4Linear):
     is often kept at 8 bits (SmolLM2's is Q8_0), and 4 bits there changes greedy text; with the
     correction every token that can win or carry real probability has its bfloat16 logit, at the
     cost of one top-k and ``REFINE`` dot products per row (the whole head in bfloat16 would read
-    3.3x the bytes)."""
+    over three times the bytes)."""
 
     REFINE = 256
 
@@ -120,8 +120,7 @@ class Int4Head(Int4Linear):
         rows = x.numel() // x.shape[-1]
         flat, xs = y.view(rows, self.out_features), x.reshape(rows, 1, x.shape[-1])
         best = flat.topk(self.REFINE, dim=-1, sorted=False).indices  # (rows, REFINE)
-        # index_select, not weight[best]: advanced indexing took twice as long here (360 vs 187 µs
-        # for this whole line at one row, in a decode step)
+        # index_select, not weight[best]: advanced indexing is the slower gather of these rows
         chosen = self.weight.index_select(0, best.view(-1)).view(rows, self.REFINE, -1)
         exact = torch.bmm(xs.float(), chosen.float().transpose(1, 2)).view(rows, self.REFINE)
         if self.bias is not None:
@@ -132,8 +131,7 @@ class Int4Head(Int4Linear):
 
 class Int8Linear(nn.Module):
     """Weight-only int8, one symmetric scale per output channel (``aten._weight_int8pack_mm``).
-    Like int4, only for small decode batches (at 16 rows this kernel takes about twice the
-    pre-packed bfloat16 GEMM's time)."""
+    Like int4, only for small decode batches (at 16 rows the pre-packed bfloat16 GEMM is faster)."""
 
     def __init__(self, linear: nn.Linear, kernels: KernelSwitch) -> None:
         super().__init__()
@@ -157,9 +155,9 @@ class Int8Linear(nn.Module):
 
 def quantize_weights(model: Transformer, kind: str) -> KernelSwitch:
     """Give every projection (and, for int4, the output head) a weight-only int8 / int4 copy for
-    decode (CPU, bfloat16 only). int8 leaves the output head in bfloat16: the int8 kernel is no
-    faster than the pre-packed bf16 GEMM on a 49152 x 576 matrix (5.5 vs 5.3 ms, one thread). Returns the
-projections' shared switch (``kernel_switch`` finds it again)."""
+    decode (CPU, bfloat16 only). int8 leaves the output head in bfloat16: on the head's matrix the
+    int8 kernel is no faster than the pre-packed bf16 GEMM. Returns the projections' shared switch
+    (``kernel_switch`` finds it again)."""
     weight = model.tok_embeddings.weight
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         raise ValueError(f"{kind} weights need dtype bfloat16 on the CPU")

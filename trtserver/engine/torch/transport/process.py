@@ -1,10 +1,9 @@
 """The model in a process of its own (``--engine-process``, the server's default on the PyTorch engine).
 
-Why: the model's Python (~750 ATen calls per decode step, each releasing and retaking the GIL)
-and the server's Python (HTTP, detokenizing, SSE) shared one GIL when the engine was a thread.
-Every hand-over of that lock cost a context switch and stalled the other side, so a token took
-16–17 ms in the engine and 19–20 ms over HTTP. As two processes they run side by side on two
-cores, as vLLM's engine core does.
+Why: on a thread, the model's Python (hundreds of ATen calls per decode step, each releasing and
+retaking the GIL) and the server's Python (HTTP, detokenizing, SSE) share one GIL, and every
+hand-over of that lock costs a context switch and stalls the other side. As two processes they run
+side by side on two cores, as vLLM's engine core does (figures in docs/perf-decisions.md).
 
 ``EngineProcess`` is the server's side: it starts ``worker.py`` with one end of a socket pair,
 writes commands as frames (``messages.py``) and reads each step's deltas as one frame through an
@@ -122,9 +121,9 @@ class EngineProcess(RequestStreams):
 
 def pinned_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The engine process's environment with its OpenMP threads bound one per CPU, in order, within
-    the CPUs the server may use (``taskset``, cgroups). Unbound, the event loop's wake-ups landed on
-    whichever thread was busy, the model's critical one too (measured with ``bench.overhead``:
-    docs/perf-decisions.md). An operator's own OMP_PROC_BIND / OMP_PLACES win."""
+    the CPUs the server may use (``taskset``, cgroups): unbound, the event loop's wake-ups land on
+    whichever thread is busy, the model's critical one too. An operator's own OMP_PROC_BIND /
+    OMP_PLACES win."""
     env = dict(environ)
     if "OMP_PROC_BIND" not in env and "OMP_PLACES" not in env:
         env.update(OMP_PROC_BIND="close", OMP_PLACES="threads")

@@ -4,15 +4,15 @@ The tokenizer data is built from the byte-exact vocabulary directly (LMFE's tran
 integration is not used: it fails to import on transformers 5). LMFE works on text, so tokens
 that are not whole UTF-8 sequences are left out of its alphabet rather than shown to it as
 U+FFFD: characters that only byte-piece tokens can spell cannot be produced by this backend.
-LMFE is character-level and pure Python (about 1 ms per token); its allowed-token lists are
-turned into the bitmask with numpy. ``whitespace_pattern`` is refused (400);
-``disable_any_whitespace`` sets LMFE's ``max_consecutive_whitespaces`` to 0.
+LMFE is character-level and pure Python; its allowed-token lists are turned into the bitmask
+with numpy. ``whitespace_pattern`` is refused (400); ``disable_any_whitespace`` sets LMFE's
+``max_consecutive_whitespaces`` to 0.
 
 Bounds. LMFE turns a regex (``guided_regex``, or a ``pattern`` in a JSON schema) into a DFA with
-interegular, in pure Python and exponential in the worst case (``(a|b)*a(a|b){18}``: minutes).
-Those DFAs are therefore built in a killable subprocess (``worker.run_in_worker``, limited to
-``TRTSERVER_GUIDED_LMFE_MAX_MB``, default 2048 MiB) at compile time, never lazily while
-decoding; the parsers are then built around them here.
+interegular, in pure Python and exponential in the worst case (``(a|b)*a(a|b){18}``; the plugin's
+README has the figures). Those DFAs are therefore built in a killable subprocess
+(``worker.run_in_worker``, limited to ``TRTSERVER_GUIDED_LMFE_MAX_MB``, default 2048 MiB) at
+compile time, never lazily while decoding; the parsers are then built around them here.
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ no CFG). ``whitespace_pattern`` is passed to ``build_regex_from_schema``; ``disa
 means no whitespace at all between JSON tokens (the default is outlines' ``[ ]?``).
 
 Bounds. Regex -> DFA -> token index construction is exponential in the worst case (a top-level
-``{"type":"string","maxLength":20}`` takes ~90 s and ~4 GB). Every compile therefore runs in a
+``{"type":"string","maxLength":20}``; the plugin's README has the figures). Every compile therefore runs in a
 fresh subprocess (``worker.run_in_worker``) with ``RLIMIT_AS`` (``TRTSERVER_GUIDED_OUTLINES_MAX_MB``,
 default 2048 MiB), inside the backend's compile lanes, and is killed at the request's
-``compile_timeout_s``. The finished Index is pickled back (a small JSON schema's index is ~1.4 MB).
+``compile_timeout_s``. The finished Index is pickled back.
 
 Known upstream bug (outlines-core <= 0.2.14): a transition from an accepting state into a
 non-accepting one is dropped, so ``1(\\.2)?`` cannot produce ``1.2`` and choice
