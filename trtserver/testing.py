@@ -24,7 +24,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from aiohttp.test_utils import TestClient
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from trtserver.http.connection import GuardedAppRunner
 
 if TYPE_CHECKING:
     from trtserver.scripted_engine import Script, ScriptedEngine
@@ -115,11 +118,21 @@ def scripted_engine(client: TestClient[Any, Any]) -> ScriptedEngine:
     return engine
 
 
+class GuardedTestServer(TestServer):
+    """aiohttp's ``TestServer`` on the server's own connections (``http.connection``), so the errors aiohttp
+    answers before any middleware (a bad chunk size, a head too slow) are the JSON envelope here too."""
+
+    def __init__(self, app: web.Application, *, header_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._header_timeout_s = header_timeout_s
+
+    async def _make_runner(self, **kwargs: Any) -> web.AppRunner:
+        return GuardedAppRunner(self.app, header_timeout_s=self._header_timeout_s, **kwargs)
+
+
 @contextlib.asynccontextmanager
 async def _serve_app(plugins: Iterable[object], installed_plugins: bool,
                      settings: dict[str, Any]) -> AsyncIterator[TestClient[Any, Any]]:
-    from aiohttp.test_utils import TestServer
-
     from trtserver.config import ServerConfig
     from trtserver.http.app import create_app
     from trtserver.plugins import load_plugins, new_plugin_manager
@@ -134,7 +147,7 @@ async def _serve_app(plugins: Iterable[object], installed_plugins: bool,
     for plugin in plugins:
         if not isinstance(plugin, str):
             pm.register(plugin)
-    client = TestClient(TestServer(create_app(config, pm)))
+    client = TestClient(GuardedTestServer(create_app(config, pm), header_timeout_s=config.header_timeout_s))
     await client.start_server()
     try:
         await wait_ready(client.app)
