@@ -64,9 +64,11 @@ def _both_ways(model: Transformer, fast: ScriptedDecode | None, slots: list[int]
     assert not torch.equal(script_cache.k[0], _filled_cache(model).k[0])  # and written they were
 
 
-@pytest.fixture(scope="module")
-def smol_int4(smol_dir: Path) -> tuple[Transformer, ScriptedDecode]:
-    model = load_model(smol_dir, torch.bfloat16, torch.device("cpu"))
+@pytest.fixture(scope="module", params=[pytest.param(torch.bfloat16, marks=NEEDS_BF16_PACKING), torch.float32])
+def smol_int4(smol_dir: Path, request: pytest.FixtureRequest) -> tuple[Transformer, ScriptedDecode]:
+    """SmolLM2 with int4 small-batch projections, in bfloat16 and in float32 (whose activations the int4
+    kernel takes rounded to bfloat16)."""
+    model = load_model(smol_dir, request.param, torch.device("cpu"))
     quantize_weights(model, "int4")
     model.setup_rope(MAX_LEN)
     decode = accelerate(model, fused=False)  # the same ATen calls as eager: the same bits
@@ -81,7 +83,6 @@ CASES = [
 ]
 
 
-@NEEDS_BF16_PACKING
 @pytest.mark.parametrize("small", [True, False], ids=["small-int4", "batch-packed"])
 @pytest.mark.parametrize(("slots", "positions"), CASES)
 def test_smollm2_int4_scripted_decode_is_the_eager_one(smol_int4: tuple[Transformer, ScriptedDecode],

@@ -71,23 +71,29 @@ def stop_server(process: subprocess.Popen[bytes], timeout: float = 30) -> None:
         process.kill()
 
 
-SERVER_RSS = pytest.StashKey[tuple[float, float]]()
+SERVER_RSS = pytest.StashKey[tuple[tuple[float, float], tuple[float, float]]]()
 
 
-def rss_mib(pid: int) -> float:
-    """Resident memory of ``pid`` and its children (the engine process), in MiB."""
-    total = 0.0
+def _rss_mib(pid: int) -> float:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0.0
+    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0) / 1024
+
+
+def rss_mib(pid: int) -> tuple[float, float]:
+    """Resident memory, in MiB, of the server process ``pid`` and of its children (the engine process)."""
+    children: list[int] = []
     pids = [pid]
     while pids:
-        current = pids.pop()
         try:
-            status = Path(f"/proc/{current}/status").read_text()
-            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+            found = [int(c) for c in Path(f"/proc/{pids[0]}/task/{pids[0]}/children").read_text().split()]
         except OSError:
-            continue
-        total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0) / 1024
-        pids += [int(c) for c in children]
-    return total
+            found = []
+        pids = pids[1:] + found
+        children += found
+    return _rss_mib(pid), sum(_rss_mib(child) for child in children)
 
 
 @pytest.fixture(scope="session")
@@ -106,9 +112,11 @@ def base_url(engine_dir: Path, pytestconfig: pytest.Config) -> Iterator[str]:
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     if SERVER_RSS in config.stash:  # what the shared server holds after every test used it
-        start, end = config.stash[SERVER_RSS]
-        terminalreporter.write_line(f"shared test server RSS (server + engine process): {start:.0f} MiB when "
-                                    f"ready, {end:.0f} MiB after the tests")
+        (server_start, engine_start), (server_end, engine_end) = config.stash[SERVER_RSS]
+        terminalreporter.write_line(
+            f"shared test server RSS: server process {server_start:.0f} MiB when ready, {server_end:.0f} MiB after "
+            f"the tests; engine process {engine_start:.0f} -> {engine_end:.0f} MiB (its KV cache fills as positions "
+            "are first written)")
 
 
 @pytest.fixture(scope="session")

@@ -49,10 +49,12 @@ def place(config: ServerConfig, manifest: Manifest, quantize: str) -> Placement:
     if quantize == "auto":
         quantize = auto_quantization(config, manifest, device, dtype)
     chosen = None if quantize == "none" else quantize
-    if chosen is not None:
+    if chosen == "int8":
         if device.type != "cpu" or dtype not in (None, torch.bfloat16):
-            raise ValueError(f"quantize={chosen!r} needs device cpu and dtype bfloat16 (or auto)")
+            raise ValueError("quantize='int8' needs device cpu and dtype bfloat16 (or auto)")
         dtype = torch.bfloat16
+    elif chosen == "int4" and (device.type != "cpu" or dtype not in (None, torch.bfloat16, torch.float32)):
+        raise ValueError("quantize='int4' needs device cpu and dtype bfloat16, float32 or auto")
     if dtype is None and device.type == "cuda":
         dtype = torch.bfloat16
     return Placement(device, dtype, chosen)
@@ -60,21 +62,21 @@ def place(config: ServerConfig, manifest: Manifest, quantize: str) -> Placement:
 
 def auto_quantization(config: ServerConfig, manifest: Manifest, device: torch.device,
                       dtype: torch.dtype | None) -> str:
-    """int4 where the checkpoint's own weights are linear 4-bit blocks of 32 (a Q4 GGUF; for Q4_1,
-    int4 reads the very values llama.cpp would) and the CPU computes in bfloat16; otherwise none.
-    IQ4 types are not on a linear grid, so they do not count."""
+    """int4 on the CPU where the checkpoint's own weights are linear 4-bit blocks of 32 (a Q4 GGUF; for
+    Q4_1, int4 reads the very values llama.cpp would); otherwise none. IQ4 types are not on a linear
+    grid, so they do not count."""
     source = manifest.source.quantization or ""
-    bf16 = dtype == torch.bfloat16 or (dtype is None and _cpu_has_bf16())
     four_bit = source.upper().startswith("Q4")
-    return "int4" if device.type == "cpu" and bf16 and four_bit and not config.batch_invariant else "none"
+    cpu_dtype = dtype in (None, torch.bfloat16, torch.float32)
+    return "int4" if device.type == "cpu" and cpu_dtype and four_bit and not config.batch_invariant else "none"
 
 
-def small_batch(config: ServerConfig, device: torch.device, dtype: torch.dtype) -> int:
-    """Small decode batches take kernels of their own on a bfloat16 CPU (float32 attention, int4);
-    never where every batch size must compute alike."""
+def small_batch(config: ServerConfig, device: torch.device, dtype: torch.dtype, quantize: str | None) -> int:
+    """Small decode batches take kernels of their own on the CPU (float32 attention, int4 / int8) where
+    the model is in bfloat16 or quantized; never where every batch size must compute alike."""
     from trtserver.engine.torch.model_runner import SMALL_BATCH
 
-    on = device.type == "cpu" and dtype == torch.bfloat16 and not config.batch_invariant
+    on = device.type == "cpu" and (dtype == torch.bfloat16 or quantize is not None) and not config.batch_invariant
     return SMALL_BATCH if on else 0
 
 
@@ -135,7 +137,8 @@ def load(path: Path, config: ServerConfig, placement: Placement, *, eos_token_id
         decode = accelerate(model)
     core = EngineCore(model, num_slots=config.max_batch_size, max_len=max_len, chunk_size=config.prefill_chunk_size,
                       eos_token_ids=eos_token_ids, device=device, seed=seed,
-                      small_batch=small_batch(config, device, dtype), threads=threads, lora=lora, decode=decode,
+                      small_batch=small_batch(config, device, dtype, placement.quantize), threads=threads, lora=lora,
+                      decode=decode,
                       prefix_cache=config.prefix_cache, cache_slots=config.prefix_cache_extra_slots)
     if device.type == "cuda" and config.cuda_graphs:
         from trtserver.engine.torch.graphs import capture_decode_graphs

@@ -49,8 +49,8 @@ _NO_SCALARS = list[Union[int, float, complex] | None]  # noqa: UP007 - how Torch
 
 
 def _quantized(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, int4: bool) -> Tensor:
-    if int4:
-        y = torch._weight_int4pack_mm_for_cpu(x, weight, 32, scales)
+    if int4:  # bfloat16 activations; a float32 model's are rounded for the kernel (no-ops in bfloat16)
+        y = torch._weight_int4pack_mm_for_cpu(x.to(scales.dtype), weight, 32, scales).to(x.dtype)
     else:
         y = torch.ops.aten._weight_int8pack_mm(x, weight, scales)
     if bias is not None:

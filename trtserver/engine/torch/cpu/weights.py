@@ -94,8 +94,10 @@ class Int4Linear(nn.Module):
         if not self.kernels.small:
             return self.dense.forward(x)
         rows = x.numel() // x.shape[-1]
-        y = torch._weight_int4pack_mm_for_cpu(x.reshape(rows, x.shape[-1]), self.packed, self.GROUP,
-                                              self.scales_zeros).view(*x.shape[:-1], self.out_features)
+        # the kernel takes bfloat16 activations; a float32 model's are rounded for it and its output widened
+        y = torch._weight_int4pack_mm_for_cpu(x.reshape(rows, x.shape[-1]).to(torch.bfloat16), self.packed,
+                                              self.GROUP, self.scales_zeros).to(x.dtype)
+        y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
@@ -159,8 +161,10 @@ def quantize_weights(model: Transformer, kind: str) -> KernelSwitch:
     int8 kernel is no faster than the pre-packed bf16 GEMM. Returns the projections' shared switch
     (``kernel_switch`` finds it again)."""
     weight = model.tok_embeddings.weight
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-        raise ValueError(f"{kind} weights need dtype bfloat16 on the CPU")
+    dtypes = (torch.bfloat16, torch.float32) if kind == "int4" else (torch.bfloat16,)
+    if weight.dtype not in dtypes or weight.device.type != "cpu":
+        raise ValueError(f"{kind} weights need dtype {' or '.join(str(d).removeprefix('torch.') for d in dtypes)} "
+                         "on the CPU")
     if kind == "int4" and (model.args.dim % Int4Linear.GROUP or model.args.intermediate_size % Int4Linear.GROUP):
         raise ValueError("int4 weights need dimensions divisible by 32")
     cls: type[nn.Module] = {"int8": Int8Linear, "int4": Int4Linear}[kind]
