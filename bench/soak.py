@@ -21,7 +21,8 @@ stream, the guide its constrained text or the time-out's 400); any other answer 
 Checks (exit status 1 if any fails): zero errors (any non-200, or a transport error other than our
 deliberate disconnects, or a malformed answer), every completed stream ends with ``[DONE]``,
 server RSS growth < 5 % between the end of the warm-up and the end, and ``trtserver_running_sequences``
-(and the queue and KV slots) back to 0 shortly after the load stops.
+(and the queue and KV slots) back to 0 shortly after the load stops. The warm-up (a quarter of the
+run) must outlast the load's first allocations: for the RSS check, run a minute or more.
 """
 
 from __future__ import annotations
