@@ -54,7 +54,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                           "every core")] = 0
     quantization: Annotated[Literal["auto", "none", "int8", "int4"], Meta(
         description="CPU weight-only quantization of small decode batches; auto = int4 when the weights came "
-                    "from a 4-bit GGUF, else none")] = "auto"
+                    "from a 4-bit GGUF and --dtype is auto or bfloat16, else none")] = "auto"
     batch_invariant: Annotated[bool, Meta(
         description="one set of kernels for every batch size, so a seeded request's tokens never depend on "
                     "its neighbours (slower at small batches)")] = False

@@ -311,8 +311,9 @@ def test_quantization_auto_is_int4_for_a_q4_gguf_on_the_cpu(smol_dir) -> None:  
 
     assert quantize(dtype="bfloat16") == "int4"
     assert quantize(dtype="bfloat16", batch_invariant=True) is None
-    assert quantize(dtype="float32") == "int4"  # the kernel's activations are rounded to bfloat16 for it
-    assert quantize() == "int4"
+    assert quantize() == "int4"  # in the dtype the CPU decodes fastest, float32 included
+    assert quantize(dtype="float32") is None  # float32 asked for is full precision ...
+    assert quantize(dtype="float32", quantization="int4") == "int4"  # ... unless int4 is asked for too
     with pytest.raises(ValueError, match="int8"):
         quantize(dtype="float32", quantization="int8")
     assert quantize(dtype="bfloat16", quantization="none") is None

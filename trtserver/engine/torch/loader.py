@@ -63,12 +63,12 @@ def place(config: ServerConfig, manifest: Manifest, quantize: str) -> Placement:
 def auto_quantization(config: ServerConfig, manifest: Manifest, device: torch.device,
                       dtype: torch.dtype | None) -> str:
     """int4 on the CPU where the checkpoint's own weights are linear 4-bit blocks of 32 (a Q4 GGUF; for
-    Q4_1, int4 reads the very values llama.cpp would); otherwise none. IQ4 types are not on a linear
-    grid, so they do not count."""
+    Q4_1, int4 reads the very values llama.cpp would) and the dtype is auto or bfloat16; otherwise none
+    (float32 asked for is full precision). IQ4 types are not on a linear grid, so they do not count."""
     source = manifest.source.quantization or ""
     four_bit = source.upper().startswith("Q4")
-    cpu_dtype = dtype in (None, torch.bfloat16, torch.float32)
-    return "int4" if device.type == "cpu" and cpu_dtype and four_bit and not config.batch_invariant else "none"
+    dtype_allows = dtype in (None, torch.bfloat16)
+    return "int4" if device.type == "cpu" and dtype_allows and four_bit and not config.batch_invariant else "none"
 
 
 def small_batch(config: ServerConfig, device: torch.device, dtype: torch.dtype, quantize: str | None) -> int:
