@@ -178,7 +178,9 @@ def test_logprobs_view_one_coloured_span_per_token(page: Page, base_url: str, mo
     assert [s["text"] for s in spans] == [token for token, _ in tokens] and spans
     assert "".join(s["text"] for s in spans) == page.answer()
     for span, (_, logprob) in zip(spans, tokens):
-        assert math.isclose(span["p"], math.exp(logprob), rel_tol=1e-2, abs_tol=1e-4), span
+        # the second request may take the first's prompt from the prefix cache: where activations are rounded
+        # to bfloat16 (bfloat16 models, int4 projections), the two can differ by that rounding
+        assert math.isclose(span["p"], math.exp(logprob), rel_tol=5e-2, abs_tol=1e-3), span
         assert span["colour"].startswith("rgb")
         assert 1 <= len(span["alternatives"]) <= 3
         best = max(lp for _, lp in span["alternatives"])

@@ -144,8 +144,11 @@ class Scheduler:
                 return
             heapq.heappop(self.waiting)
             request = group.request
-            placement = self.prefix.place(len(live), request.prompt_token_ids, request.adapter,
-                                          reuse=group.prompt_token_logprobs is None, held=self._sources())
+            # prompt scoring needs every prompt position computed; a seed asks for the text its prompt alone
+            # gives: a prefix computed in another chunk shape can differ by rounding, and move a sample
+            reuse = group.prompt_token_logprobs is None and request.sampling.seed is None
+            placement = self.prefix.place(len(live), request.prompt_token_ids, request.adapter, reuse=reuse,
+                                          held=self._sources())
             for seq, slot in zip(live, placement.slots):
                 seq.slot = slot
                 seq.status = Status.PREFILL
