@@ -60,3 +60,23 @@ async def test_a_head_sent_too_slowly_is_answered_408_in_the_envelope() -> None:
         head, _, body = raw.partition(b"\r\n\r\n")
         assert head.split()[1] == b"408", raw[:200]
         assert json.loads(body)["error"]["message"]
+
+
+async def test_the_408_survives_a_client_that_keeps_sending_before_it_reads() -> None:
+    """The server answers a late head, half-closes and reads on a moment: bytes the client still sends
+    must not reset the connection before it has read the answer."""
+    async with serve_scripted(header_timeout_s=0.3) as client:
+        assert client.port is not None
+        reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHo")
+        await writer.drain()
+        await asyncio.sleep(0.6)  # the deadline has passed: the 408 is on its way
+        for byte in b"st: x\r\n":  # a slow client still sending its head, byte by byte
+            writer.write(bytes([byte]))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        raw = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert head.split()[1] == b"408", raw[:200]
+        assert json.loads(body)["error"]["message"]

@@ -22,6 +22,8 @@ from trtserver import errors
 from trtserver.protocol import encoder
 
 log = structlog.get_logger("trtserver.http.connection")
+# seconds what a client still sends after a refusal is read (and dropped), so that it sees the answer
+LINGERING_S = 2.0
 
 # what a client is told about a request aiohttp could not parse, by kind (its message may quote the bytes)
 _DESCRIPTIONS: tuple[tuple[type[BaseException], str], ...] = (
@@ -66,8 +68,11 @@ class GuardedRequestHandler(web_protocol.RequestHandler):
         super().__init__(manager, **kwargs)
         self._header_timeout_s = header_timeout_s
         self._head_timer: asyncio.TimerHandle | None = None
+        self._lingering = False
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:  # answered and half-closed: what still comes is dropped
+            return
         super().data_received(data)
         if self._messages or self._request_in_progress:
             self._stop_head_timer()
@@ -107,7 +112,14 @@ class GuardedRequestHandler(web_protocol.RequestHandler):
         head = ("HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\nX-Request-Id: {uuid.uuid4().hex}\r\nConnection: close\r\n\r\n")
         transport.write(head.encode() + body)
-        self.force_close()
+        if not transport.can_write_eof():
+            self.force_close()
+            return
+        # a half-close, then reads dropped for a moment: closing at once would answer the bytes a slow client
+        # is still sending with a reset, which can discard the 408 before the client has read it
+        transport.write_eof()
+        self._lingering = True
+        self._loop.call_later(LINGERING_S, self.force_close)
 
     def handle_error(self, request: web_request.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> StreamResponse:

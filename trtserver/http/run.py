@@ -14,11 +14,9 @@ from aiohttp import web
 from trtserver.config import ServerConfig
 from trtserver.engine.base import Engine
 from trtserver.http.app import STATE, create_metrics_app, end_requests
-from trtserver.http.connection import GuardedAppRunner
+from trtserver.http.connection import LINGERING_S, GuardedAppRunner
 
 log = structlog.get_logger("trtserver")
-# seconds the rest of an unread body is read (and dropped) after a refusal, so the client sees the answer
-LINGERING_S = 2.0
 
 
 async def drain(app: web.Application, grace_s: float) -> None:
