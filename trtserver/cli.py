@@ -115,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def serve(args: argparse.Namespace) -> int:
 
+    from trtserver.allocator import return_large_blocks
     from trtserver.http.app import create_app
     from trtserver.logs import configure_logging
     from trtserver.plugins import PluginLoadError
@@ -125,6 +126,8 @@ def serve(args: argparse.Namespace) -> int:
         print(f"trtserver: invalid configuration: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_format, config.log_level)
+    if config.engine_process:  # not where the model's own tensors come and go each step in this process
+        return_large_blocks()
     try:
         app = create_app(config)
     except PluginLoadError as exc:
