@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 import torch
 from torch import nn
 
-from trtserver.engine.base import GenerationRequest, SamplingParams
 from trtserver.engine.torch.cpu.weights import Int4Head, Int4Linear, KernelSwitch
-from trtserver.engine.torch.engine import TorchEngine
 
 
 def _grid_linear(out_features: int, in_features: int, seed: int = 0) -> nn.Linear:
@@ -59,37 +54,3 @@ def test_refined_head_keeps_the_bfloat16_logits_of_its_best_tokens() -> None:
     plain = Int4Linear(lin, switch)(x).float().view(2, vocab)
     rest = torch.ones_like(got, dtype=torch.bool).scatter_(1, plain.topk(Int4Head.REFINE, dim=-1).indices, False)
     assert torch.equal(got[rest], plain[rest])
-
-
-async def test_a_decode_sized_prefill_takes_the_int4_kernels_unless_it_scores_the_prompt(
-        smol_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prompt's short (uncached) rest is prefilled as a decode step of as many rows would be; a long
-    chunk, or one whose prompt is scored, keeps the model's full weights."""
-    rows: list[int] = []
-    kernel = torch._weight_int4pack_mm_for_cpu
-
-    def counted(x: torch.Tensor, *args: object) -> torch.Tensor:
-        rows.append(x.shape[0])
-        return kernel(x, *args)
-
-    # the eager layers (chunks of several tokens) call it through torch's namespace; decode steps are scripted
-    monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu", counted)
-    eng = TorchEngine.from_dir(smol_dir, dtype="float32", quantize="int4", device="cpu", max_batch_size=4,
-                               max_model_len=128, seed=0, threads=1, prefix_cache=False)
-    await eng.start()
-    try:
-        async def prefill(ids: list[int], **params: object) -> None:
-            sampling = SamplingParams(max_tokens=1, temperature=0.0, **params)  # type: ignore[arg-type]
-            async for _ in eng.generate(GenerationRequest(f"q{len(rows)}-{len(ids)}", ids, sampling)):
-                pass
-
-        short = eng.tokenizer.encode("The capital of France")
-        assert 2 <= len(short) <= 4
-        await prefill(short)
-        assert len(short) in rows and set(rows) <= {len(short), 1}  # the projections, and the head's last row
-        rows.clear()
-        await prefill(short, prompt_logprobs=1)
-        await prefill(eng.tokenizer.encode("The capital of France is a city that many people visit every year"))
-        assert rows == []
-    finally:
-        await eng.shutdown()

@@ -87,14 +87,10 @@ class ModelRunner:
         pos = pos.to(self.device)
         mask = None if causal else (self.positions[:length] <= pos.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, L)
         attend = decode_attention if T == 1 else sdpa_attention  # a one-token chunk attends as a decode step
-        rows = sum(c.end - c.start for c in chunks)
-        # a decode-sized prefill (a cached prompt's short tail) takes the small-batch kernels, as a decode step
-        # would; prompt scoring keeps the full weights
-        small = rows <= self.small_batch and all(c.group.prompt_token_logprobs is None for c in chunks)
         ctx = ForwardContext(pos, torch.tensor(slots, device=self.device), contiguous(slots), length, mask, causal,
-                             attend, small=small)
+                             attend)
         adapters = self.lora is not None and self.lora.bind([c.group.adapter for c in chunks])
-        self.use_threads(rows)
+        self.use_threads(sum(c.end - c.start for c in chunks))
         return self.forward(tokens.to(self.device), ctx, adapters=adapters)
 
     def decode(self, seqs: list[Sequence]) -> Tensor:
