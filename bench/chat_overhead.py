@@ -73,18 +73,18 @@ class Prompts:
     model: str
     counter: itertools.count[int] = field(default_factory=itertools.count)
 
-    async def next(self, session: aiohttp.ClientSession) -> tuple[list[dict[str, str]], list[int]]:
+    async def next(self, http: aiohttp.ClientSession) -> tuple[list[dict[str, str]], list[int]]:
         messages = [{"role": "user", "content": f"[request {next(self.counter):06d}] {QUESTION}"}]
-        async with session.post(f"{self.base_url}/tokenize", json={"model": self.model, "messages": messages}) as r:
+        async with http.post(f"{self.base_url}/tokenize", json={"model": self.model, "messages": messages}) as r:
             body = await r.json()
         return messages, list(body["tokens"])
 
 
-async def stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, list[float]]:
+async def stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, list[float]]:
     """One streamed request: (completion tokens from the usage chunk, gaps between content chunks)."""
     times: list[float] = []
     tokens = 0
-    async with session.post(url, json=body) as resp:
+    async with http.post(url, json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.text())[:300]}")
         async for raw in resp.content:
@@ -103,17 +103,17 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any])
     return tokens, [b - a for a, b in itertools.pairwise(times)]
 
 
-async def run_side(session: aiohttp.ClientSession, api: str, prompts: Prompts, streams: int, tokens: int,
+async def run_side(http: aiohttp.ClientSession, api: str, prompts: Prompts, streams: int, tokens: int,
                    pid: int) -> Side:
     common = {"model": prompts.model, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True,
               "stream": True, "stream_options": {"include_usage": True}}
     bodies = []
     for _ in range(streams):  # prepared before the clock starts
-        messages, ids = await prompts.next(session)
+        messages, ids = await prompts.next(http)
         bodies.append({**common, "messages": messages} if api == "chat" else {**common, "prompt": ids})
     url = f"{prompts.base_url}/v1/{'chat/completions' if api == 'chat' else 'completions'}"
     cpu0, api0 = cpu_seconds(pid), process_cpu_seconds(pid)
-    results = await asyncio.gather(*(stream(session, url, body) for body in bodies))
+    results = await asyncio.gather(*(stream(http, url, body) for body in bodies))
     cpu, api_cpu = cpu_seconds(pid) - cpu0, process_cpu_seconds(pid) - api0
     generated = sum(n for n, _ in results)
     if generated != streams * tokens:
@@ -147,16 +147,16 @@ async def main() -> None:
         sides: dict[tuple[int, str], list[Side]] = {(s, a): [] for s in CONCURRENCY for a in APIS}
         connector = aiohttp.TCPConnector(limit=max(CONCURRENCY) + 4)
         async with aiohttp.ClientSession(connector=connector,
-                                         timeout=aiohttp.ClientTimeout(total=600)) as session:
+                                         timeout=aiohttp.ClientTimeout(total=600)) as http:
             for api in APIS:  # warm-up, not counted
-                await run_side(session, api, prompts, 2, 4, proc.pid)
+                await run_side(http, api, prompts, 2, 4, proc.pid)
             for round_no in range(args.max_rounds):
                 if round_no > 0 and time.monotonic() > deadline:
                     break
                 order = APIS if round_no % 2 == 0 else APIS[::-1]
                 for streams in CONCURRENCY:
                     for api in order:
-                        sides[(streams, api)].append(await run_side(session, api, prompts, streams, args.tokens,
+                        sides[(streams, api)].append(await run_side(http, api, prompts, streams, args.tokens,
                                                                     proc.pid))
                 print(f"round {round_no + 1} done at {time.monotonic() - start:.0f} s, load average "
                       f"{os.getloadavg()[0]:.2f}", flush=True)
@@ -183,12 +183,12 @@ async def main() -> None:
 async def _wait_ready(base: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
     """Until ``/health`` answers 200; the server exiting first is an error."""
     deadline = time.perf_counter() + timeout
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession() as http:
         while time.perf_counter() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}")
             try:
-                async with session.get(f"{base}/health") as resp:
+                async with http.get(f"{base}/health") as resp:
                     if resp.status == 200:
                         return
             except aiohttp.ClientError:

@@ -87,7 +87,7 @@ def adapters(smol_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
 @pytest.fixture(scope="module")
 def lora_engine(smol_dir: Path, adapters: dict[str, Any]) -> Iterator[TorchEngine]:
-    # the same settings as the session `engine` fixture (tests/engine/conftest.py), plus adapters
+    # the same settings as the shared `engine` fixture (tests/engine/conftest.py), plus adapters
     eng = TorchEngine.from_dir(smol_dir, dtype="float32", device="cpu", max_batch_size=8, max_model_len=384,
                                prefill_chunk_size=16, seed=0, threads=1, adapters_dir=str(adapters["dir"]))
     asyncio.run(eng.start())

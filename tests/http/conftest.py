@@ -126,5 +126,5 @@ def client(base_url: str) -> OpenAI:
 
 @pytest.fixture(scope="session")
 def http(base_url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=base_url, timeout=120) as session:
-        yield session
+    with httpx.Client(base_url=base_url, timeout=120) as http_client:
+        yield http_client

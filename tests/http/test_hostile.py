@@ -151,8 +151,8 @@ async def exchange(port: int, pieces: list[bytes], *, pause_s: float = 0.0, time
 async def good_stream(base: str) -> None:
     """A well-behaved streamed completion; it must end with [DONE] and no error, whatever runs beside it."""
     timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        async with session.post(f"{base}/v1/completions", json={**OK, "max_tokens": 3, "stream": True},
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        async with http.post(f"{base}/v1/completions", json={**OK, "max_tokens": 3, "stream": True},
                                 headers={"Authorization": f"Bearer {GOOD_KEY}", "X-Request-Id": "good-1"}) as r:
             assert r.status == 200, await r.text()
             assert r.headers["X-Request-Id"] == "good-1"
@@ -300,21 +300,21 @@ async def test_slow_body_sender_is_timed_out(server: Server) -> None:
 
 async def test_every_response_names_its_request(server: Server) -> None:
     auth = {"Authorization": f"Bearer {GOOD_KEY}"}
-    async with aiohttp.ClientSession(base_url=server.base) as session:
-        async with session.post("/v1/completions", json=OK, headers={**auth, "X-Request-Id": "abc-1"}) as r:
+    async with aiohttp.ClientSession(base_url=server.base) as http:
+        async with http.post("/v1/completions", json=OK, headers={**auth, "X-Request-Id": "abc-1"}) as r:
             assert r.status == 200 and r.headers["X-Request-Id"] == "abc-1"
-        async with session.post("/v1/completions", json={**OK, "stream": True},
+        async with http.post("/v1/completions", json={**OK, "stream": True},
                                 headers={**auth, "X-Request-Id": "abc-2"}) as r:
             assert r.status == 200 and r.headers["X-Request-Id"] == "abc-2"
             assert (await r.text()).rstrip().endswith("data: [DONE]")
-        async with session.post("/v1/completions", json={**OK, "request_id": "from-body"}, headers=auth) as r:
+        async with http.post("/v1/completions", json={**OK, "request_id": "from-body"}, headers=auth) as r:
             assert r.headers["X-Request-Id"] == "from-body"
             assert (await r.json())["id"] == "cmpl-from-body"
         for method, path, headers, status in (("POST", "/v1/completions", {}, 401), ("GET", "/v1/nothing", auth, 404),
                                               ("GET", "/health", {}, 200), ("GET", "/v1/models", auth, 200)):
-            async with session.request(method, path, headers={**headers, "X-Request-Id": "abc-3"}) as r:
+            async with http.request(method, path, headers={**headers, "X-Request-Id": "abc-3"}) as r:
                 assert r.status == status and r.headers["X-Request-Id"] == "abc-3"
-        async with session.get("/health") as r:
+        async with http.get("/health") as r:
             assert len(r.headers["X-Request-Id"]) >= 16  # a fresh one when the client sent none
 
 
@@ -322,24 +322,24 @@ async def test_every_response_names_its_request(server: Server) -> None:
 
 
 async def test_models_root_is_the_model_id(server: Server) -> None:
-    async with aiohttp.ClientSession(base_url=server.base) as session:
-        async with session.get("/v1/models", headers={"Authorization": f"Bearer {GOOD_KEY}"}) as r:
+    async with aiohttp.ClientSession(base_url=server.base) as http:
+        async with http.get("/v1/models", headers={"Authorization": f"Bearer {GOOD_KEY}"}) as r:
             card = (await r.json())["data"][0]
     assert card["root"] == card["id"] == MODEL
     assert "/" not in card["root"]
 
 
 async def test_metrics_need_the_metrics_key_and_name_no_client(server: Server) -> None:
-    async with aiohttp.ClientSession(base_url=server.base) as session:
-        await session.post("/v1/completions", json={**OK, "user": "alice@example.com"},
+    async with aiohttp.ClientSession(base_url=server.base) as http:
+        await http.post("/v1/completions", json={**OK, "user": "alice@example.com"},
                            headers={"Authorization": f"Bearer {GOOD_KEY}", "X-Request-Id": "who-asked-1"})
         openmetrics = {"Accept": "application/openmetrics-text"}
         for key in (None, GOOD_KEY, "nope"):
             headers = openmetrics if key is None else {**openmetrics, "Authorization": f"Bearer {key}"}
-            async with session.get("/metrics", headers=headers) as r:
+            async with http.get("/metrics", headers=headers) as r:
                 assert r.status == 401
                 assert (await r.json())["error"]["type"] == "authentication_error"
-        async with session.get("/metrics", headers={**openmetrics, "Authorization": f"Bearer {METRICS_KEY}"}) as r:
+        async with http.get("/metrics", headers={**openmetrics, "Authorization": f"Bearer {METRICS_KEY}"}) as r:
             assert r.status == 200
             text = await r.text()
     assert "trtserver_request_latency_seconds" in text
@@ -349,36 +349,36 @@ async def test_metrics_need_the_metrics_key_and_name_no_client(server: Server) -
 # --- projects and quotas ---------------------------------------------------------------------------
 
 
-async def post_as(session: aiohttp.ClientSession, key: str, project: str | None,
+async def post_as(http: aiohttp.ClientSession, key: str, project: str | None,
                   body: object) -> aiohttp.ClientResponse:
     url = "/v1/completions" + (f"?ai_project_id={project}" if project is not None else "")
-    async with session.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+    async with http.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as r:
         await r.read()
         return r
 
 
 async def test_keys_are_bound_to_their_projects(server: Server) -> None:
-    async with aiohttp.ClientSession(base_url=server.base) as session:
+    async with aiohttp.ClientSession(base_url=server.base) as http:
         for key, project in ((ALPHA_KEY, "beta"), (ALPHA_KEY, "never-configured"), (GOOD_KEY, "alpha")):
-            async with session.post(f"/v1/completions?ai_project_id={project}", json=OK,
+            async with http.post(f"/v1/completions?ai_project_id={project}", json=OK,
                                     headers={"Authorization": f"Bearer {key}"}) as r:
                 assert r.status == 403, (key, project)
                 error = (await r.json())["error"]
                 assert error["type"] == "permission_error" and error["param"] == "ai_project_id"
-        assert (await post_as(session, ALPHA_KEY, "alpha-2", OK)).status == 200
-        assert (await post_as(session, GOOD_KEY, None, OK)).status == 200
+        assert (await post_as(http, ALPHA_KEY, "alpha-2", OK)).status == 200
+        assert (await post_as(http, GOOD_KEY, None, OK)).status == 200
 
 
 async def test_refused_requests_do_not_count_against_the_quota(server: Server) -> None:
     invalid = {**OK, "service_tier": "default", "max_tokens": 100000}  # refused after the quota is checked
     good = {**OK, "service_tier": "default", "max_tokens": 1}
-    async with aiohttp.ClientSession(base_url=server.base) as session:
+    async with aiohttp.ClientSession(base_url=server.base) as http:
         for _ in range(5):
-            assert (await post_as(session, ALPHA_KEY, "alpha", invalid)).status == 400
+            assert (await post_as(http, ALPHA_KEY, "alpha", invalid)).status == 400
         # alpha allows 3 a minute; a key bound to projects that names none counts against its first
-        statuses = [(await post_as(session, ALPHA_KEY, project, good)).status for project in ("alpha", None, "alpha")]
+        statuses = [(await post_as(http, ALPHA_KEY, project, good)).status for project in ("alpha", None, "alpha")]
         assert statuses == [200, 200, 200]
-        over = await post_as(session, ALPHA_KEY, "alpha", good)
+        over = await post_as(http, ALPHA_KEY, "alpha", good)
         assert over.status == 429
 
 
@@ -413,9 +413,9 @@ async def test_sigterm_cuts_off_long_streams_with_an_error_event_and_done(engine
                                  "--shutdown-grace-s", "1", log_name="hostile-sigterm")
     try:
         long = {"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
             async def stream() -> list[str]:
-                async with session.post(f"{base}/v1/completions", json={**long, "stream": True}) as r:
+                async with http.post(f"{base}/v1/completions", json={**long, "stream": True}) as r:
                     assert r.status == 200
                     lines = []
                     async for raw in r.content:
@@ -428,7 +428,7 @@ async def test_sigterm_cuts_off_long_streams_with_an_error_event_and_done(engine
 
             async def whole() -> tuple[int, object]:
                 await started.wait()
-                async with session.post(f"{base}/v1/completions", json=long) as r:
+                async with http.post(f"{base}/v1/completions", json=long) as r:
                     return r.status, await r.json()
 
             started = asyncio.Event()

@@ -56,8 +56,8 @@ class Server:
         self._log.close()
 
 
-async def get_json(session: aiohttp.ClientSession, url: str) -> tuple[int, dict[str, object]]:
-    async with session.get(url) as response:
+async def get_json(http_client: aiohttp.ClientSession, url: str) -> tuple[int, dict[str, object]]:
+    async with http_client.get(url) as response:
         return response.status, await response.json(content_type=None)
 
 
@@ -65,12 +65,12 @@ async def wait_ready(server: Server, timeout: float = 120.0) -> list[tuple[int, 
     """Poll /health from the moment the process starts; returns each distinct (status, body status)."""
     seen: list[tuple[int, str]] = []
     deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http_client:
         while time.monotonic() < deadline:
             if server.process.poll() is not None:
                 raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()[-3000:]}")
             try:
-                status, body = await get_json(session, f"{server.base}/health")
+                status, body = await get_json(http_client, f"{server.base}/health")
             except (aiohttp.ClientError, TimeoutError):
                 await asyncio.sleep(0.02)
                 continue
@@ -82,8 +82,8 @@ async def wait_ready(server: Server, timeout: float = 120.0) -> list[tuple[int, 
     raise TimeoutError(f"server did not become healthy; saw {seen}")
 
 
-async def gauge(session: aiohttp.ClientSession, base: str, name: str) -> float:
-    async with session.get(f"{base}/metrics") as response:
+async def gauge(http_client: aiohttp.ClientSession, base: str, name: str) -> float:
+    async with http_client.get(f"{base}/metrics") as response:
         text = await response.text()
     match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
     assert match is not None, f"{name} missing from /metrics"
@@ -93,9 +93,9 @@ async def gauge(session: aiohttp.ClientSession, base: str, name: str) -> float:
 async def wait_gauge(base: str, name: str, value: float, timeout: float) -> float:
     """Seconds until the gauge reads ``value``; fails after ``timeout``."""
     t0 = time.monotonic()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http_client:
         while True:
-            current = await gauge(session, base, name)
+            current = await gauge(http_client, base, name)
             if current == value:
                 return time.monotonic() - t0
             if time.monotonic() - t0 > timeout:
@@ -117,8 +117,8 @@ async def data_lines(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
 
 
 async def assert_serves(base: str) -> None:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        async with session.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}) as response:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http_client:
+        async with http_client.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}) as response:
             assert response.status == 200, await response.text()
             body = await response.json()
     assert body["usage"]["completion_tokens"] >= 1
@@ -142,11 +142,11 @@ def shared(engine_dir: Path) -> Iterator[tuple[Server, list[tuple[int, str]], li
     loading_posts: list[dict[str, object]] = []
 
     async def start() -> list[tuple[int, str]]:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http_client:
             # wait until it listens, then ask for a completion while the model is (very likely) still loading
             while server.process.poll() is None:
                 try:
-                    async with session.post(f"{server.base}/v1/completions",
+                    async with http_client.post(f"{server.base}/v1/completions",
                                             json={"prompt": "Hi", "max_tokens": 1}) as response:
                         loading_posts.append({"status": response.status, "retry": response.headers.get("Retry-After"),
                                               "body": await response.json(content_type=None)})
@@ -177,8 +177,8 @@ def test_health_reports_loading_until_the_engine_is_ready(shared: tuple[Server, 
 async def test_stream_disconnect_frees_the_slot(shared: tuple[Server, list, list]) -> None:
     server = shared[0]
     await wait_idle(server.base)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        response = await session.post(f"{server.base}/v1/completions", json={**LONG, "stream": True})
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http_client:
+        response = await http_client.post(f"{server.base}/v1/completions", json={**LONG, "stream": True})
         assert response.status == 200
         lines = data_lines(response)
         for _ in range(2):
@@ -199,8 +199,8 @@ async def test_non_streaming_client_timeout_frees_the_slot(shared: tuple[Server,
     await wait_idle(server.base)
 
     async def impatient() -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
-            async with session.post(f"{server.base}/v1/completions", json=LONG) as response:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http_client:
+            async with http_client.post(f"{server.base}/v1/completions", json=LONG) as response:
                 await response.read()
 
     task = asyncio.create_task(impatient())
@@ -215,14 +215,14 @@ async def test_non_streaming_client_timeout_frees_the_slot(shared: tuple[Server,
 async def _fire(base: str, count: int, gap_s: float) -> list[tuple[int, str | None, object]]:
     body = {**LONG, "max_tokens": TOKENS_PER_REQUEST}
 
-    async def one(i: int, session: aiohttp.ClientSession) -> tuple[int, str | None, object]:
+    async def one(i: int, http_client: aiohttp.ClientSession) -> tuple[int, str | None, object]:
         await asyncio.sleep(i * gap_s)
-        async with session.post(f"{base}/v1/completions", json=body) as response:
+        async with http_client.post(f"{base}/v1/completions", json=body) as response:
             return response.status, response.headers.get("Retry-After"), await response.json(content_type=None)
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http_client:
         # wait_for: a hang is a failure, not a stuck suite
-        return await asyncio.wait_for(asyncio.gather(*(one(i, session) for i in range(count))), 150)
+        return await asyncio.wait_for(asyncio.gather(*(one(i, http_client) for i in range(count))), 150)
 
 
 def _check_bounded(results: list[tuple[int, str | None, object]]) -> None:
@@ -258,13 +258,13 @@ async def test_concurrent_requests_with_the_same_x_request_id(shared: tuple[Serv
     await wait_idle(server.base)
     body = {"prompt": "Hi", "max_tokens": 8, "ignore_eos": True}
 
-    async def one(session: aiohttp.ClientSession) -> tuple[int, object]:
-        async with session.post(f"{server.base}/v1/completions", json=body,
+    async def one(http_client: aiohttp.ClientSession) -> tuple[int, object]:
+        async with http_client.post(f"{server.base}/v1/completions", json=body,
                                 headers={"X-Request-Id": "client-chosen-id"}) as response:
             return response.status, await response.json(content_type=None)
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        results = await asyncio.wait_for(asyncio.gather(one(session), one(session)), 90)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http_client:
+        results = await asyncio.wait_for(asyncio.gather(one(http_client), one(http_client)), 90)
     # neither may be a 500 (a 503 "overloaded" would be the waiting-queue bound, which is fine)
     statuses = [status for status, _ in results]
     assert all(status in (200, 503) for status in statuses) and 200 in statuses, results
@@ -282,8 +282,8 @@ async def test_sigterm_drains_in_flight_stream_and_refuses_new_requests(engine_d
     try:
         await wait_ready(server)
         tokens = 60
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-            response = await session.post(f"{server.base}/v1/completions", json={
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http_client:
+            response = await http_client.post(f"{server.base}/v1/completions", json={
                 **LONG, "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True}})
             assert response.status == 200
             lines = data_lines(response)
@@ -313,8 +313,8 @@ async def test_sigterm_exits_after_grace_even_with_a_long_request(engine_dir: Pa
     server = Server(engine_dir, *SMALL, "--max-batch-size", "4", "--shutdown-grace-s", "1")
     try:
         await wait_ready(server)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-            response = await session.post(f"{server.base}/v1/completions",
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http_client:
+            response = await http_client.post(f"{server.base}/v1/completions",
                                           json={**LONG, "stream": True})
             lines = data_lines(response)
             await anext(lines)

@@ -50,8 +50,8 @@ async def test_engine_process_death_fails_the_stream_and_health(engine_dir: Path
         assert "trtserver.engine.torch.transport.worker" in Path(f"/proc/{worker}/cmdline").read_text()
         assert "(event loop: uvloop)" in server.log()  # the default where uvloop is installed
         assert_pinned(server.process.pid, worker, pinned=True)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-            response = await session.post(f"{server.base}/v1/completions", json={**LONG, "stream": True})
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http_client:
+            response = await http_client.post(f"{server.base}/v1/completions", json={**LONG, "stream": True})
             assert response.status == 200
             lines = data_lines(response)
             assert json.loads(await anext(lines))["choices"][0]["finish_reason"] is None
@@ -60,9 +60,9 @@ async def test_engine_process_death_fails_the_stream_and_health(engine_dir: Path
             assert rest[-1] == "[DONE]"
             error = assert_envelope(json.loads(rest[-2]))
             assert error["code"] == "engine_error" and "exited" in str(error["message"])
-            status, body = await get_json(session, f"{server.base}/health")
+            status, body = await get_json(http_client, f"{server.base}/health")
             assert status == 503 and body["status"] == "error" and "code -9" in str(body["error"])
-            async with session.post(f"{server.base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}) as r:
+            async with http_client.post(f"{server.base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}) as r:
                 assert r.status == 500
                 assert "not running" in str(assert_envelope(await r.json())["message"])
         assert server.process.poll() is None  # the server stays up to say what happened
@@ -112,8 +112,8 @@ async def test_a_plugin_file_s_processors_reach_the_engine_process(engine_dir: P
         await wait_ready(server)
         (worker,) = children(server.process.pid)
         assert_pinned(server.process.pid, worker, pinned=False)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-            async with session.post(f"{server.base}/v1/completions",
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http_client:
+            async with http_client.post(f"{server.base}/v1/completions",
                                     json={"prompt": "Say no", "max_tokens": 3, "temperature": 0}) as r:
                 assert r.status == 200, await r.text()
                 assert (await r.json())["choices"][0]["text"] == " yes yes yes"

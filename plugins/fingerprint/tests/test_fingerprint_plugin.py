@@ -60,7 +60,7 @@ def test_tensorrt_llm_is_never_imported() -> None:
     assert "tensorrt_llm" not in sys.modules
 
 
-# trtserver's pytest config runs async fixtures on the session loop; the test must share it
+# trtserver's pytest config runs async fixtures on one loop for the whole run; the test must share it
 @pytest.mark.asyncio(loop_scope="session")
 async def test_in_every_response_and_chunk(trtserver_client_factory) -> None:  # type: ignore[no-untyped-def]
     client = await trtserver_client_factory(plugins=[trtserver_fingerprint], plugin_allowlist=[],
