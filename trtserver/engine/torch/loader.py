@@ -7,7 +7,6 @@ its cache and its adapters made ready as one ``EngineCore``.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from trtserver.adapters import AdapterRegistry
+from trtserver.allocator import release_freed_memory
 from trtserver.config import ServerConfig
 from trtserver.engine.torch.core import EngineCore
 from trtserver.engine.torch.lora import LoraManager
@@ -125,7 +125,7 @@ def load(path: Path, config: ServerConfig, placement: Placement, *, eos_token_id
         if can_pack_for_cpu(dtype):
             pack_for_cpu(model)
     if device.type == "cpu":
-        _release_freed_memory()  # the float32 checkpoint read and cast: RSS otherwise kept
+        release_freed_memory()  # the float32 checkpoint read and cast: RSS otherwise kept
     lora = None
     if adapters is not None:
         lora = LoraManager(adapters, model.args, dtype, device)
@@ -187,13 +187,6 @@ def pick_cpu_dtype() -> torch.dtype:
     log.info("dtype auto on CPU: %s (float32 %.1f ms, bfloat16 %.1f ms)", str(choice).removeprefix("torch."),
              times[torch.float32] * 1e3, times[torch.bfloat16] * 1e3)
     return choice
-
-
-def _release_freed_memory() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def _cpu_has_bf16() -> bool:
