@@ -46,7 +46,7 @@ class Scheduler:
         self.num_slots = num_slots
         self.chunk_size = chunk_size
         self.prefix = PrefixCache(num_slots, stash_slots=cache_slots, enabled=prefix_cache)
-        self.slots_held = 0
+        self.slots_used = 0  # running slots taken (the extra cache slots never run)
         self._copies: list[tuple[int, int, int]] = []
         self.waiting: list[tuple[int, int, Group]] = []  # heap of (priority, arrival, group)
         self.prefilling: list[Group] = []  # admitted, prompt not fully computed, in admission order
@@ -71,7 +71,7 @@ class Scheduler:
         self.running.discard(seq)
         if seq.slot >= 0:
             self.prefix.release(seq.slot, _cached_tokens(seq, was), seq.group.request.adapter)
-            self.slots_held -= 1
+            self.slots_used -= 1
             seq.slot = -1
         group = seq.group
         if group.finished:
@@ -140,7 +140,7 @@ class Scheduler:
                 heapq.heappop(self.waiting)
                 continue
             live = [seq for seq in group.seqs if not seq.finished]
-            if len(live) > self.num_slots - self.slots_held:
+            if len(live) > self.num_slots - self.slots_used:
                 return
             heapq.heappop(self.waiting)
             request = group.request
@@ -152,7 +152,7 @@ class Scheduler:
             for seq, slot in zip(live, placement.slots):
                 seq.slot = slot
                 seq.status = Status.PREFILL
-            self.slots_held += len(live)
+            self.slots_used += len(live)
             group.prefill_slot = placement.slots[0]
             group.prefill_pos = group.cached_tokens = placement.cached
             self._copies += placement.copies
@@ -183,10 +183,6 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.groups) - len(self.waiting)
-
-    @property
-    def slots_used(self) -> int:
-        return self.slots_held
 
 
 def _slot(seq: Sequence) -> int:
