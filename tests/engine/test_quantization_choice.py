@@ -1,0 +1,64 @@
+"""Which weights the CPU engine decodes with: ``--quantization`` auto and by hand, and the dtype that goes with it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from tests.engine.test_torch_engine import PROMPTS, greedy
+from trtserver.engine.torch.engine import TorchEngine
+from trtserver.engine.torch.loader import pick_cpu_dtype
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+async def test_quantized_weights_still_know_paris(smol_dir, kind: str) -> None:  # type: ignore[no-untyped-def]
+    eng = TorchEngine.from_dir(smol_dir, quantization=kind, device="cpu", max_batch_size=2, max_model_len=128,
+                               threads=1)  # the ServerConfig field
+    await eng.start()
+    try:
+        # int8 runs in bfloat16; int4 in the dtype the CPU decodes fastest (float32 where it has no AVX-512)
+        assert eng.dtype == (torch.bfloat16 if kind == "int8" else pick_cpu_dtype())
+        assert eng.quantize == kind and eng.core.model_runner.accelerated is not None
+        assert "Paris" in eng.tokenizer.decode(await greedy(eng, "The capital of France is", max_tokens=4))
+        # two rows at once still take the quantized kernel; the answer stays sensible
+        both = await asyncio.gather(*(greedy(eng, p, max_tokens=4) for p in PROMPTS[:2]))
+        assert "Paris" in eng.tokenizer.decode(both[0])
+    finally:
+        await eng.shutdown()
+
+
+def test_quantization_auto_is_int4_for_a_q4_gguf_on_the_cpu(smol_dir) -> None:  # type: ignore[no-untyped-def]
+    assert json.loads((smol_dir / "trtserver.json").read_text())["source"]["quantization"] == "Q4_1"
+    def quantize(**options: object) -> str | None:
+        return TorchEngine.from_dir(smol_dir, device="cpu", **options).quantize  # type: ignore[arg-type]
+
+    assert quantize(dtype="bfloat16") == "int4"
+    assert quantize(dtype="bfloat16", batch_invariant=True) is None
+    assert quantize() == "int4"  # in the dtype the CPU decodes fastest, float32 included
+    assert quantize(dtype="float32") is None  # float32 asked for is full precision ...
+    assert quantize(dtype="float32", quantization="int4") == "int4"  # ... unless int4 is asked for too
+    with pytest.raises(ValueError, match="int8"):
+        quantize(dtype="float32", quantization="int8")
+    assert quantize(dtype="bfloat16", quantization="none") is None
+    with pytest.raises(ValueError, match="batch_invariant"):
+        quantize(dtype="bfloat16", quantization="int4", batch_invariant=True)
+    # what changes the tokens changes the system fingerprint's inputs
+    def inputs(**options: object) -> dict:  # type: ignore[type-arg]
+        return TorchEngine.from_dir(smol_dir, device="cpu", dtype="bfloat16", **options).info.fingerprint_inputs
+
+    fast, strict = inputs(), inputs(batch_invariant=True)
+    assert (fast["quantization"], fast["batch_invariant"]) == ("int4", False)
+    assert (strict["quantization"], strict["batch_invariant"]) == ("none", True)
+
+
+def test_quantization_auto_is_none_without_a_4bit_source(smol_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    for f in smol_dir.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    manifest = json.loads((smol_dir / "trtserver.json").read_text())
+    manifest["source"].pop("quantization")
+    (tmp_path / "trtserver.json").unlink()
+    (tmp_path / "trtserver.json").write_text(json.dumps(manifest))
+    assert TorchEngine.from_dir(tmp_path, device="cpu", dtype="bfloat16").quantize is None
