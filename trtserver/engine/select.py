@@ -23,15 +23,10 @@ class EngineSelectionError(APIError):
 
 
 def registered_engines(pm: pluggy.PluginManager) -> dict[str, Callable[[ServerConfig], Engine]]:
-    engines: dict[str, Callable[[ServerConfig], Engine]] = {}
+    """Every engine plugins register, by name; a name registered twice raises ``PluginLoadError``."""
+    from trtserver.plugins import registrations
 
-    def register(name: str, factory: Callable[[ServerConfig], Engine]) -> None:
-        if name in engines:
-            raise EngineSelectionError(f"engine {name!r} is registered twice")
-        engines[name] = factory
-
-    pm.hook.trtserver_register_engines(register=register)
-    return engines
+    return {name: registration.factory for name, registration in registrations(pm, "engines").items()}
 
 
 def choose_engine_name(config: ServerConfig) -> str:
