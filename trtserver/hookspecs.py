@@ -30,8 +30,7 @@ if TYPE_CHECKING:
     from aiohttp import web
 
     from trtserver.config import ServerConfig
-    from trtserver.engine.base import Engine, EngineInfo, GuidedDecoder, LogitsProcessor
-    from trtserver.guided import GuideContext, GuideSpec
+    from trtserver.engine.base import Engine, EngineInfo, GuidedBackend, LogitsProcessor
     from trtserver.protocol import (
         ChatCompletionRequest,
         ChatCompletionResponse,
@@ -151,7 +150,7 @@ def trtserver_register_tool_parsers(
 
 @hookspec
 def trtserver_register_guided_backends(
-    register: Callable[[str, Callable[[GuideSpec, GuideContext], GuidedDecoder]], None],
+    register: Callable[[str, GuidedBackend], None],
 ) -> None:
     """Add guided-decoding backends that a request's ``guided_decoding_backend`` (or
     ``structured_outputs.backend``) can name; a request that names none gets ``xgrammar``.

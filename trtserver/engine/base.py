@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from trtserver.guided import GuideSpec
+    from trtserver.guided import GuideContext, GuideSpec
     from trtserver.tokenizer import Tokenizer
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -56,6 +56,10 @@ class GuidedDecoder(Protocol):
 
     def new_state(self) -> TokenConstraint:
         """Fresh per-sequence state."""
+
+
+# what a guided decoding plugin registers under a backend name (``trtserver_register_guided_backends``)
+GuidedBackend = Callable[["GuideSpec", "GuideContext"], GuidedDecoder]
 
 
 class LogitsProcessor(Protocol):

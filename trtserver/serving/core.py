@@ -22,7 +22,7 @@ import structlog
 
 from trtserver.adapters import AdapterRegistry
 from trtserver.config import ServerConfig
-from trtserver.engine.base import Engine, GenerationRequest, GuidedDecoder, SequenceOutput
+from trtserver.engine.base import Engine, GenerationRequest, GuidedBackend, GuidedDecoder, SequenceOutput
 from trtserver.errors import InvalidRequest, Overloaded, Unsupported
 from trtserver.guided import GuideContext, GuideSpec
 from trtserver.plugins import await_me_maybe, guided_backend_key, registrations
@@ -38,7 +38,6 @@ from trtserver.text import IncrementalDecoder, StopChecker, StopStrings, TextStr
 log = structlog.get_logger("trtserver.serving")
 
 RequestT = TypeVar("RequestT", bound=GenerationFields)
-GuidedBackend = Callable[[GuideSpec, GuideContext], GuidedDecoder]
 ChunkIn = TypeVar("ChunkIn", contravariant=True)
 ResponseOut = TypeVar("ResponseOut", covariant=True)
 

@@ -27,12 +27,10 @@ from trtserver_guided import worker
 if TYPE_CHECKING:
     from aiohttp import web
     from trtserver.config import ServerConfig
-    from trtserver.engine.base import GuidedDecoder
+    from trtserver.engine.base import GuidedBackend, GuidedDecoder
     from trtserver.guided import GuideContext, GuideSpec
 
     from trtserver_guided.backend import Backend
-
-GuidedBackend = Callable[["GuideSpec", "GuideContext"], "GuidedDecoder"]
 
 ALIASES = {
     "xgrammar": "xgrammar",
