@@ -399,7 +399,7 @@ class TrtllmEngine(EngineBase):
                                       our_stop_ids=prep.our_stop_ids, max_tokens=prep.max_tokens,
                                       has_finish_reason=self.features.finish_reason,
                                       vocab_size=self.model_vocab_size, logits_logprobs=prep.logits_logprobs,
-                                      cached_tokens=self._info.capabilities.prefix_caching)
+                                      reports_cached_tokens=self._info.capabilities.prefix_caching)
         active = _Active(request=request, queue=asyncio.Queue(), abortable=prep.abortable)
         try:
             output = self._llm.generate_async(list(request.prompt_token_ids), sampling_params=params,

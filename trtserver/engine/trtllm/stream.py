@@ -45,9 +45,9 @@ class StreamTranslator:
 
     def __init__(self, request: GenerationRequest, *, eos_ids: Sequence[int], our_stop_ids: frozenset[int],
                  max_tokens: int, has_finish_reason: bool, vocab_size: int = 0,
-                 logits_logprobs: bool = False, cached_tokens: bool = False) -> None:
+                 logits_logprobs: bool = False, reports_cached_tokens: bool = False) -> None:
         self.request = request
-        self.reports_cached = cached_tokens
+        self.reports_cached = reports_cached_tokens
         self.cached_tokens = 0
         """``RequestOutput.cached_tokens`` as last read: the prompt tokens whose K/V blocks were reused."""
         self.responded = False
