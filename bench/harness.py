@@ -75,6 +75,10 @@ def llama_server_slots(args: argparse.Namespace) -> int:
     return max(sc.streams for sc in scenarios(argparse.Namespace(**{**vars(args), "scenarios": None})))
 
 
+def llama_server_threads(args: argparse.Namespace) -> int:
+    return args.llama_server_threads or os.cpu_count() or 1
+
+
 def inproc(python: Path, kind: str, extra: list[str], timeout_s: float) -> dict[str, Any]:
     return result_line([str(python), str(ROOT / "bench" / "inproc.py"), kind, *extra], timeout_s)
 
@@ -172,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             pserver = peers.llamacpp(llama_py, gguf, peers.free_port(), n_threads=args.peer_threads)
         elif name == "llama-server" and llama_bin is not None and gguf is not None:
             pserver = peers.llama_server(llama_bin, gguf, peers.free_port(), slots=llama_server_slots(args),
-                                         threads=args.llama_server_threads or os.cpu_count() or 1)
+                                         threads=llama_server_threads(args))
         else:
             continue
         pservers.append((pserver, ServerRun(name)))
@@ -273,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         elif prun.name == "llama-server" and llama_bin is not None:
             lines.append(f"- peer: llama-server built from llama-cpp-python {peers.LLAMACPP_VERSION}'s llama.cpp "
                          f"({peers.llama_server_version(llama_bin)}), -np {llama_server_slots(args)}, "
-                         f"-t {args.llama_server_threads or os.cpu_count()}")
+                         f"-t {llama_server_threads(args)}")
     for title, table in sections:
         lines += ["", f"## {title}", "", *table]
     lines += ["", "ours/peer: ↑ higher is better, ↓ lower is better; p99 over few samples is the maximum."]
