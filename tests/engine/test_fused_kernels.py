@@ -232,3 +232,15 @@ def test_a_stale_build_lock_is_cleared_before_building(tmp_path: Path, monkeypat
     monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **_: seen.append(lock.exists()))
     kernels.build()
     assert seen == [False]
+
+
+def test_a_native_build_leaves_amx_out(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Some machines report AMX whose tile instructions die with SIGILL: ``-march=native`` never goes alone."""
+    import torch.utils.cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    seen: list[list[str]] = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: seen.append(kw["extra_cflags"]))
+    kernels.build()
+    if "-march=native" in seen[0]:
+        assert set(kernels.AMX_OFF) <= set(seen[0])  # this machine's compiler knows AMX (gcc 11 and later)

@@ -58,8 +58,23 @@ def build_target() -> tuple[str, list[str]]:
                  if line.startswith(("model name", "flags"))][:2]
         key.append("\n".join(lines).encode())
         flags.append("-march=native")
-    key.append(" ".join(flags).encode())
+    key.append(" ".join([*flags, *AMX_OFF]).encode())
     return f"trtserver_kernels_{hashlib.sha1(b'|'.join(key)).hexdigest()[:12]}", flags
+
+
+AMX_OFF = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
+
+
+def _no_amx_flags() -> list[str]:
+    """AMX off where the compiler knows it: some machines report AMX whose tile instructions die with
+    SIGILL, and ``-march=native`` alone would allow them. A compiler older than AMX never emits it."""
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        probe = subprocess.run([compiler, *AMX_OFF, "-fsyntax-only", "-x", "c++", "-"], input=b"",
+                               capture_output=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return list(AMX_OFF) if probe.returncode == 0 else []
 
 
 def build_directory(name: str) -> Path:
@@ -84,6 +99,8 @@ def build(*, verbose: bool = False) -> Path:
     from torch.utils.cpp_extension import load as compile_and_load
 
     name, flags = build_target()
+    if "-march=native" in flags:
+        flags += _no_amx_flags()
     directory = build_directory(name)
     directory.mkdir(parents=True, exist_ok=True)
     lock = directory / "lock"  # torch's build lock: a build killed midway leaves it, and the next waits forever
