@@ -1,8 +1,8 @@
 """What the small-batch kernels cost in accuracy: the same text scored token by token through the
-bfloat16 decode path and through the small-batch path (float32 attention, int4 projections and the
-refined int4 head), on the real default model.
+batch decode path (bfloat16, or float32 where bfloat16 weights cannot be packed) and through the
+small-batch path (int4 projections and the refined int4 head), on the real default model.
 
-    .venv/bin/python -m bench.quality [--engine-dir DIR]
+    .venv/bin/python -m bench.quality [--engine-dir DIR] [--dtype float32]
 
 Prints perplexity under each path, how often their top-1 tokens agree, and the largest difference
 in the logprob of the text's next token.
@@ -43,8 +43,10 @@ def score(engine: TorchEngine, ids: list[int], small: bool) -> tuple[list[float]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine-dir", default=str(ROOT / "engines" / "SmolLM2-135M-Instruct"))
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="the served model's dtype: float32 on CPUs without AVX-512 (no bfloat16 packing)")
     args = ap.parse_args()
-    engine = TorchEngine.from_dir(args.engine_dir, device="cpu", dtype="bfloat16", quantization="int4",
+    engine = TorchEngine.from_dir(args.engine_dir, device="cpu", dtype=args.dtype, quantization="int4",
                                   max_batch_size=1, max_model_len=512, threads=1)
     engine.load()
     ids = engine.tokenizer.encode(LONG)
@@ -61,9 +63,10 @@ def main() -> None:
     assert core is not None, "engine not loaded"
     fused = accelerate(core.model)
     unfused = accelerate(core.model, fused=False)
+    dtype = args.dtype
     for label, small, decode in (
-            ("bfloat16 (batches above 4 rows; --batch-invariant), as ATen calls", False, unfused),
-            ("bfloat16, with the fused RMSNorm and RoPE of kernels.cpp (the default where they build)", False, fused),
+            (f"{dtype} (batches above 4 rows; --batch-invariant), as ATen calls", False, unfused),
+            (f"{dtype}, with the fused RMSNorm and RoPE of kernels.cpp (the default where they build)", False, fused),
             ("small-batch kernels (float32 attention, int4 + refined head), as ATen calls", True, unfused),
             ("small-batch kernels, through the fused CPU kernels (the default where they build)", True, fused)):
         core.model_runner.accelerated = decode

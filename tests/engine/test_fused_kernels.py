@@ -33,28 +33,37 @@ def ops() -> object:
     return torch.ops.trtserver
 
 
-def _bf16(*shape: int, seed: int = 0) -> Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+def _bf16(*shape: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 def _within_a_step(got: Tensor, want: Tensor) -> None:
-    """Equal but for an odd element one bfloat16 rounding step apart."""
+    """bfloat16: equal but for an odd element one rounding step apart; float32 (sums in another order): a few
+    float32 steps apart."""
     assert got.shape == want.shape and got.dtype == want.dtype
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6)
+        return
     step = want.float().abs().clamp(min=1e-3) * 2 ** -7
     assert ((got.float() - want.float()).abs() <= step).all()
     assert (got != want).float().mean() < 0.01
 
 
-def test_rms_norm(ops) -> None:  # type: ignore[no-untyped-def]
-    x, weight = _bf16(3, 576), 1 + 0.1 * _bf16(576, seed=1)
-    want = F.rms_norm(x.float(), [576], None, 1e-5).to(torch.bfloat16) * weight  # model.RMSNorm
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+
+
+@DTYPES
+def test_rms_norm(ops, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    x, weight = _bf16(3, 576, dtype=dtype), 1 + 0.1 * _bf16(576, seed=1, dtype=dtype)
+    want = F.rms_norm(x.float(), [576], None, 1e-5).to(dtype) * weight  # model.RMSNorm
     _within_a_step(ops.rms_norm(x, weight, 1e-5), want)
 
 
-def test_rope_cache_rotates_and_writes_exactly_where_asked(ops) -> None:  # type: ignore[no-untyped-def]
-    qkv = _bf16(2, (NH + 2 * NKV) * HS)
-    cos, sin = _bf16(2, HS, seed=1), _bf16(2, HS, seed=2)
-    k_cache = torch.zeros(5, NKV, 40, HS, dtype=torch.bfloat16)
+@DTYPES
+def test_rope_cache_rotates_and_writes_exactly_where_asked(ops, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    qkv = _bf16(2, (NH + 2 * NKV) * HS, dtype=dtype)
+    cos, sin = _bf16(2, HS, seed=1, dtype=dtype), _bf16(2, HS, seed=2, dtype=dtype)
+    k_cache = torch.zeros(5, NKV, 40, HS, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     slots, positions = torch.tensor([3, 1]), torch.tensor([7, 20])
     q = ops.rope_cache(qkv, cos, sin, k_cache, v_cache, slots, positions, NH, NKV)
@@ -78,20 +87,22 @@ def test_rope_cache_rotates_and_writes_exactly_where_asked(ops) -> None:  # type
         ops.decode_attention(q, k_cache, v_cache, slots, positions[:1])
 
 
+@DTYPES
 @pytest.mark.parametrize(("positions", "n_kv"), [([7, 20], NKV), ([300, 2], NKV), ([300], NKV), ([300, 2], 1)],
                          ids=["short", "long-threaded", "one-row-split", "split-with-an-empty-part"])
-def test_decode_attention_is_the_masked_sdpa(ops, positions: list[int], n_kv: int) -> None:  # type: ignore[no-untyped-def]
+def test_decode_attention_is_the_masked_sdpa(ops, positions: list[int], n_kv: int,  # type: ignore[no-untyped-def]
+                                             dtype: torch.dtype) -> None:
     """Long contexts split their positions across threads when rows x kv heads are too few to go round (one row:
     3 kv heads for 2 threads); a short row's part of a split can be empty."""
     B = len(positions)
-    k_cache, v_cache = _bf16(5, n_kv, 320, HS, seed=1), _bf16(5, n_kv, 320, HS, seed=2)
-    q, slots, pos = _bf16(B, NH, HS, seed=3), torch.tensor([3, 1][:B]), torch.tensor(positions)
+    k_cache, v_cache = _bf16(5, n_kv, 320, HS, seed=1, dtype=dtype), _bf16(5, n_kv, 320, HS, seed=2, dtype=dtype)
+    q, slots, pos = _bf16(B, NH, HS, seed=3, dtype=dtype), torch.tensor([3, 1][:B]), torch.tensor(positions)
     length = max(positions) + 1
     visible = (torch.arange(length) <= pos.view(B, 1)).view(B, 1, 1, length)
     mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
     want = F.scaled_dot_product_attention(q.view(B, NH, 1, HS).float(), k_cache[slots, :, :length].float(),
                                           v_cache[slots, :, :length].float(), attn_mask=mask,
-                                          enable_gqa=True).to(torch.bfloat16).view(B, NH * HS)
+                                          enable_gqa=True).to(dtype).view(B, NH * HS)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -120,15 +131,21 @@ def test_the_attention_threads_where_torch_has_openmp(ops) -> None:  # type: ign
 
 
 def test_kernels_refuse_what_they_cannot_read(ops) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        ops.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-5)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        ops.rms_norm(_bf16(8, 4).t(), _bf16(8), 1e-5)  # not contiguous
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        ops.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-5)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32, as the op's first"):
+        ops.rms_norm(torch.randn(2, 8), _bf16(8), 1e-5)  # two types
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.rms_norm(_bf16(8, 4).t(), _bf16(8), 1e-5)
 
 
-@pytest.fixture(scope="module")
-def smol_fused(smol_dir: Path, ops) -> tuple[Transformer, ScriptedDecode]:  # type: ignore[no-untyped-def]
-    model = load_model(smol_dir, torch.bfloat16, torch.device("cpu"))
+MODEL_DTYPES = [pytest.param(torch.bfloat16, marks=NEEDS_BF16_PACKING, id="bf16"),
+                pytest.param(torch.float32, id="f32")]
+
+
+@pytest.fixture(scope="module", params=MODEL_DTYPES)
+def smol_fused(smol_dir: Path, ops, request: pytest.FixtureRequest) -> tuple[Transformer, ScriptedDecode]:  # type: ignore[no-untyped-def]
+    model = load_model(smol_dir, request.param, torch.device("cpu"))
     quantize_weights(model, "int4")
     model.setup_rope(MAX_LEN)
     decode = accelerate(model)
@@ -140,23 +157,27 @@ CASES = [([0], [5]), ([1, 2, 3], [40, 3, 17]), ([4, 0], [20, 33])]
 
 
 def _close(got: Tensor, want: Tensor) -> None:
-    """Thirty layers of sums in another order: within a few percent (0 in most rows)."""
+    """Thirty layers of sums in another order, where a last-bit difference can flip a bfloat16 rounding (of the
+    activations, or of an int4 kernel's input) and grow from there: within a few percent. A float32 ulp of
+    noise in the cache moves the eager layers themselves ~5 %."""
     error = (got.float() - want.float()).norm(dim=-1) / want.float().norm(dim=-1)
-    assert (error < 0.03).all(), error
+    assert (error < 0.06).all(), error
 
 
 def _agree(model: Transformer, slots: list[int], positions: list[int], want: Tensor, got: Tensor,
            eager_cache: KVCache, fused_cache: KVCache) -> None:
     """Hidden states, the next token and the K/V written in the first and last layers: all close."""
     _close(got, want)
-    assert torch.equal(model.logits(got[:, 0]).argmax(-1), model.logits(want[:, 0]).argmax(-1))
+    eager = model.logits(want[:, 0])
+    picked = model.logits(got[:, 0]).argmax(-1, keepdim=True)
+    # the eager pick, or a near tie of it: the eager layers score it within 0.25 of their best
+    assert (eager.gather(-1, picked)[:, 0] >= eager.max(-1).values - 0.25).all()
     for i in (0, len(eager_cache.k) - 1):
         for slot, pos in zip(slots, positions, strict=True):
             _close(fused_cache.k[i][slot, :, pos].flatten(), eager_cache.k[i][slot, :, pos].flatten())
             _close(fused_cache.v[i][slot, :, pos].flatten(), eager_cache.v[i][slot, :, pos].flatten())
 
 
-@NEEDS_BF16_PACKING
 @pytest.mark.parametrize("small", [True, False], ids=["small-int4", "batch-packed"])
 @pytest.mark.parametrize(("slots", "positions"), CASES)
 def test_fused_decode_follows_the_eager_layers(smol_fused: tuple[Transformer, ScriptedDecode], slots: list[int],
@@ -165,11 +186,11 @@ def test_fused_decode_follows_the_eager_layers(smol_fused: tuple[Transformer, Sc
     _agree(smol_fused[0], slots, positions, want, got, eager_cache, fused_cache)
 
 
-@NEEDS_BF16_PACKING
+@pytest.mark.parametrize("dtype", MODEL_DTYPES)
 @pytest.mark.parametrize(("slots", "positions"), CASES)
 def test_fused_batch_decode_follows_the_eager_batch_path(smol_dir: Path, ops, slots: list[int],  # type: ignore[no-untyped-def]
-                                                         positions: list[int]) -> None:
-    model = load_model(smol_dir, torch.bfloat16, torch.device("cpu"))
+                                                         positions: list[int], dtype: torch.dtype) -> None:
+    model = load_model(smol_dir, dtype, torch.device("cpu"))
     pack_for_cpu(model)  # unquantized: only the batch path is scripted
     model.setup_rope(MAX_LEN)
     decode = accelerate(model)

@@ -1,7 +1,7 @@
-// Fused CPU kernels for the small-batch decode (bfloat16 activations): each replaces a run of ATen calls
+// Fused CPU kernels for the decode (bfloat16 or float32 activations): each replaces a run of ATen calls
 // that cost more to issue than to compute on a few hundred numbers (scripted.py, kernels.py).
-// Elementwise results round to bfloat16 exactly where the eager ops round; reductions sum in float32 in
-// their own order, so results can differ from the eager path's in the last bit.
+// Elementwise results round to the activations' type exactly where the eager ops round; reductions sum in
+// float32 in their own order, so results can differ from the eager path's in the last bit.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 using at::BFloat16;
@@ -27,7 +28,10 @@ inline float f(BFloat16 v) {  // exact: bfloat16 is the top half of a float32, a
   std::memcpy(&out, &bits, sizeof(out));
   return out;
 }
-inline BFloat16 bf(float v) { return BFloat16(v); }  // round to nearest even, as ATen's casts
+inline float f(float v) { return v; }
+// to the activations' type T: bfloat16 rounds to nearest even, as ATen's casts
+template <typename T>
+inline T to(float v) { return T(v); }
 
 // A softmax row in place, less its normalisation: e^(x - best) for each x, returning their sum. With AVX-512,
 // e^x is Cody-Waite's reduction to x = n ln 2 + r, Cephes' polynomial for e^r and vscalefps for 2^n, 16 at a
@@ -99,9 +103,17 @@ inline __m128 dot4(const float* q, const BFloat16* k, int64_t hs) {
 }
 #endif
 
-void check_bf16(const Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(), name,
-              ": expected a contiguous bfloat16 CPU tensor");
+// A contiguous CPU tensor of the op's activation type (that of its first tensor: bfloat16 or float32).
+void check_activation(const Tensor& t, at::ScalarType type, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && (type == at::kBFloat16 || type == at::kFloat) && t.scalar_type() == type &&
+              t.is_contiguous(), name, ": expected a contiguous CPU tensor in bfloat16 or float32, as the op's first");
+}
+
+// The row of n values at p as float32: p itself for float32, else converted into buf.
+inline const float* as_float(const float* p, int64_t, float*) { return p; }
+inline const float* as_float(const BFloat16* p, int64_t n, float* buf) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = f(p[i]);
+  return buf;
 }
 
 // K and V caches of one shape, (slots, kv heads, positions, head_dim); one (slot, position) per row, in range.
@@ -114,37 +126,72 @@ void check_rows(const Tensor& k_cache, const Tensor& v_cache, const Tensor& slot
               positions.numel() == rows, op, ": one slot and one position per row, on the CPU");
 }
 
-// model.RMSNorm: normalised in float32, cast to bfloat16, then scaled by the bfloat16 weight.
-Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
-  check_bf16(x, "rms_norm x");
-  check_bf16(weight, "rms_norm weight");
-  const int64_t n = x.size(-1), rows = x.numel() / n;
-  TORCH_CHECK(weight.numel() == n, "rms_norm: weight has ", weight.numel(), " elements, rows have ", n);
-  Tensor out = at::empty_like(x);
-  const BFloat16* xp = x.const_data_ptr<BFloat16>();
-  const BFloat16* wp = weight.const_data_ptr<BFloat16>();
-  BFloat16* op = out.mutable_data_ptr<BFloat16>();
+// model.RMSNorm: normalised in float32, cast to the activations' type, then scaled by the weight.
+template <typename T>
+void rms_norm_rows(const T* xp, const T* wp, T* op, int64_t rows, int64_t n, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
-    const BFloat16* xr = xp + r * n;
+    const T* xr = xp + r * n;
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < n; ++i) sum += f(xr[i]) * f(xr[i]);
-    const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + static_cast<float>(eps));
-    for (int64_t i = 0; i < n; ++i) op[r * n + i] = bf(f(bf(f(xr[i]) * inv)) * f(wp[i]));
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i) op[r * n + i] = to<T>(f(to<T>(f(xr[i]) * inv)) * f(wp[i]));
+  }
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  const auto type = x.scalar_type();
+  check_activation(x, type, "rms_norm x");
+  check_activation(weight, type, "rms_norm weight");
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  TORCH_CHECK(weight.numel() == n, "rms_norm: weight has ", weight.numel(), " elements, rows have ", n);
+  Tensor out = at::empty_like(x);
+  if (type == at::kBFloat16) {
+    rms_norm_rows(x.const_data_ptr<BFloat16>(), weight.const_data_ptr<BFloat16>(), out.mutable_data_ptr<BFloat16>(),
+                  rows, n, static_cast<float>(eps));
+  } else {
+    rms_norm_rows(x.const_data_ptr<float>(), weight.const_data_ptr<float>(), out.mutable_data_ptr<float>(), rows, n,
+                  static_cast<float>(eps));
   }
   return out;
 }
 
 // The rotation of model.apply_rope (x * cos + roll(x, hs / 2) * signed_sin, each product and the sum
-// rounded to bfloat16) on q and k of a fused qkv row, then k and v written to the caches at each row's
-// (slot, position). Returns the rotated q, (B, n_heads, head_dim).
+// rounded to the activations' type) on q and k of a fused qkv row, then k and v written to the caches at
+// each row's (slot, position); q into qp, (B, n_heads, head_dim).
+template <typename T>
+void rope_cache_rows(const T* in, const T* cp, const T* sn, T* qp, T* kc, T* vc, const int64_t* sp,
+                     const int64_t* pp, int64_t B, int64_t width, int64_t nh, int64_t nkv, int64_t hs, int64_t P) {
+  const int64_t half = hs / 2;
+  for (int64_t b = 0; b < B; ++b) {
+    const T* row = in + b * width;
+    const T* c = cp + b * hs;
+    const T* s = sn + b * hs;
+    for (int64_t h = 0; h < nh + nkv; ++h) {
+      const T* x = row + h * hs;
+      T* dst = h < nh ? qp + (b * nh + h) * hs : kc + ((sp[b] * nkv + (h - nh)) * P + pp[b]) * hs;
+      for (int64_t i = 0; i < half; ++i) {  // roll(x, hs / 2): the halves swap
+        dst[i] = to<T>(f(to<T>(f(x[i]) * f(c[i]))) + f(to<T>(f(x[i + half]) * f(s[i]))));
+      }
+      for (int64_t i = half; i < hs; ++i) {
+        dst[i] = to<T>(f(to<T>(f(x[i]) * f(c[i]))) + f(to<T>(f(x[i - half]) * f(s[i]))));
+      }
+    }
+    const T* v = row + (nh + nkv) * hs;
+    for (int64_t h = 0; h < nkv; ++h) {
+      std::copy(v + h * hs, v + (h + 1) * hs, vc + ((sp[b] * nkv + h) * P + pp[b]) * hs);
+    }
+  }
+}
+
 Tensor rope_cache(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache,
                   const Tensor& slots, const Tensor& positions, int64_t n_heads, int64_t n_kv_heads) {
-  check_bf16(qkv, "rope_cache qkv");
-  check_bf16(cos, "rope_cache cos");
-  check_bf16(sin, "rope_cache sin");
-  check_bf16(k_cache, "rope_cache k_cache");
-  check_bf16(v_cache, "rope_cache v_cache");
+  const auto type = qkv.scalar_type();
+  check_activation(qkv, type, "rope_cache qkv");
+  check_activation(cos, type, "rope_cache cos");
+  check_activation(sin, type, "rope_cache sin");
+  check_activation(k_cache, type, "rope_cache k_cache");
+  check_activation(v_cache, type, "rope_cache v_cache");
   TORCH_CHECK(qkv.dim() == 2, "rope_cache: qkv must be (rows, (n_heads + 2 n_kv_heads) head_dim)");
   check_rows(k_cache, v_cache, slots, positions, qkv.size(0), n_kv_heads, "rope_cache");
   const int64_t B = qkv.size(0), hs = k_cache.size(3), P = k_cache.size(2), nh = n_heads, nkv = n_kv_heads;
@@ -154,64 +201,28 @@ Tensor rope_cache(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const
   auto pos = positions.to(at::kLong).contiguous();
   const int64_t* sp = slot.const_data_ptr<int64_t>();
   const int64_t* pp = pos.const_data_ptr<int64_t>();
-  Tensor q = at::empty({B, nh, hs}, qkv.options());
-  const BFloat16* in = qkv.const_data_ptr<BFloat16>();
-  const BFloat16* cp = cos.const_data_ptr<BFloat16>();
-  const BFloat16* sn = sin.const_data_ptr<BFloat16>();
-  BFloat16* qp = q.mutable_data_ptr<BFloat16>();
-  BFloat16* kc = k_cache.mutable_data_ptr<BFloat16>();
-  BFloat16* vc = v_cache.mutable_data_ptr<BFloat16>();
-  const int64_t half = hs / 2;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(sp[b] >= 0 && sp[b] < k_cache.size(0) && pp[b] >= 0 && pp[b] < P, "rope_cache: row ", b,
                 " points outside the cache");
-    const BFloat16* row = in + b * qkv.size(1);
-    const BFloat16* c = cp + b * hs;
-    const BFloat16* s = sn + b * hs;
-    for (int64_t h = 0; h < nh + nkv; ++h) {
-      const BFloat16* x = row + h * hs;
-      BFloat16* dst = h < nh ? qp + (b * nh + h) * hs : kc + ((sp[b] * nkv + (h - nh)) * P + pp[b]) * hs;
-      for (int64_t i = 0; i < half; ++i) {  // roll(x, hs / 2): the halves swap
-        dst[i] = bf(f(bf(f(x[i]) * f(c[i]))) + f(bf(f(x[i + half]) * f(s[i]))));
-      }
-      for (int64_t i = half; i < hs; ++i) {
-        dst[i] = bf(f(bf(f(x[i]) * f(c[i]))) + f(bf(f(x[i - half]) * f(s[i]))));
-      }
-    }
-    const BFloat16* v = row + (nh + nkv) * hs;
-    for (int64_t h = 0; h < nkv; ++h) {
-      std::copy(v + h * hs, v + (h + 1) * hs, vc + ((sp[b] * nkv + h) * P + pp[b]) * hs);
-    }
+  }
+  Tensor q = at::empty({B, nh, hs}, qkv.options());
+  if (type == at::kBFloat16) {
+    rope_cache_rows(qkv.const_data_ptr<BFloat16>(), cos.const_data_ptr<BFloat16>(), sin.const_data_ptr<BFloat16>(),
+                    q.mutable_data_ptr<BFloat16>(), k_cache.mutable_data_ptr<BFloat16>(),
+                    v_cache.mutable_data_ptr<BFloat16>(), sp, pp, B, qkv.size(1), nh, nkv, hs, P);
+  } else {
+    rope_cache_rows(qkv.const_data_ptr<float>(), cos.const_data_ptr<float>(), sin.const_data_ptr<float>(),
+                    q.mutable_data_ptr<float>(), k_cache.mutable_data_ptr<float>(), v_cache.mutable_data_ptr<float>(),
+                    sp, pp, B, qkv.size(1), nh, nkv, hs, P);
   }
   return q;
 }
 
 // One query row per sequence against its slot's keys 0..position (inclusive), as the small-batch
-// float32 SDPA with its mask: each q head j * g + i reads kv head j. Returns (B, n_heads * head_dim).
-Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
-                        const Tensor& positions) {
-  check_bf16(q, "decode_attention q");
-  check_bf16(k_cache, "decode_attention k_cache");
-  check_bf16(v_cache, "decode_attention v_cache");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "decode_attention: q (rows, n_heads, head_dim), 4-d caches");
-  check_rows(k_cache, v_cache, slots, positions, q.size(0), k_cache.size(1), "decode_attention");
-  const int64_t B = q.size(0), nh = q.size(1), hs = q.size(2), nkv = k_cache.size(1), P = k_cache.size(2);
-  TORCH_CHECK(nh % nkv == 0 && k_cache.size(3) == hs, "decode_attention: shapes disagree");
-  auto slot = slots.to(at::kLong).contiguous();
-  auto pos = positions.to(at::kLong).contiguous();
-  const int64_t* sp = slot.const_data_ptr<int64_t>();
-  const int64_t* pp = pos.const_data_ptr<int64_t>();
-  int64_t longest = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(sp[b] >= 0 && sp[b] < k_cache.size(0) && pp[b] >= 0 && pp[b] < P, "decode_attention: row ", b,
-                " points outside the cache");
-    longest = std::max(longest, pp[b] + 1);
-  }
-  Tensor out = at::empty({B, nh * hs}, q.options());
-  const BFloat16* qp = q.const_data_ptr<BFloat16>();
-  const BFloat16* kc = k_cache.const_data_ptr<BFloat16>();
-  const BFloat16* vc = v_cache.const_data_ptr<BFloat16>();
-  BFloat16* op = out.mutable_data_ptr<BFloat16>();
+// float32 SDPA with its mask: each q head j * g + i reads kv head j. Writes (B, n_heads * head_dim) to op.
+template <typename T>
+void decode_attention_rows(const T* qp, const T* kc, const T* vc, T* op, const int64_t* sp, const int64_t* pp,
+                           int64_t B, int64_t nh, int64_t nkv, int64_t hs, int64_t P, int64_t longest) {
   const int64_t group = nh / nkv;
   const float scale = 1.f / std::sqrt(static_cast<float>(hs));
   // Tasks: (row, kv head, split of the positions); a task's `group` query heads read each key and value row
@@ -233,24 +244,25 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
       const int64_t pair = task / splits, b = pair / nkv, kv = pair % nkv, n = pp[b] + 1;
       const int64_t t0 = std::min(n, (task % splits) * chunk), t1 = std::min(n, t0 + chunk);
       const int64_t base = (sp[b] * nkv + kv) * P * hs;
-      const BFloat16* qb = qp + (b * nh + kv * group) * hs;
+      const T* qb = qp + (b * nh + kv * group) * hs;
       for (int64_t i = 0; i < group * hs; ++i) query[i] = f(qb[i]);
       int64_t t = t0;
 #if defined(__AVX512F__)
-      if (hs % 16 == 0) {  // four keys at a time: four independent sums a query head, reduced together
-        for (; t + 4 <= t1; t += 4) {
-          const BFloat16* k = kc + base + t * hs;
-          for (int64_t j = 0; j < group; ++j) {
-            const __m128 four = dot4(query.data() + j * hs, k, hs);
-            _mm_storeu_ps(scores.data() + j * chunk + t - t0, _mm_mul_ps(four, _mm_set1_ps(scale)));
+      if constexpr (std::is_same_v<T, BFloat16>) {
+        if (hs % 16 == 0) {  // four keys at a time: four independent sums a query head, reduced together
+          for (; t + 4 <= t1; t += 4) {
+            const BFloat16* k = kc + base + t * hs;
+            for (int64_t j = 0; j < group; ++j) {
+              const __m128 four = dot4(query.data() + j * hs, k, hs);
+              _mm_storeu_ps(scores.data() + j * chunk + t - t0, _mm_mul_ps(four, _mm_set1_ps(scale)));
+            }
           }
         }
       }
 #endif
       for (; t < t1; ++t) {
-        const BFloat16* k = kc + base + t * hs;
-        for (int64_t i = 0; i < hs; ++i) row[i] = f(k[i]);
-        for (int64_t j = 0; j < group; ++j) scores[j * chunk + t - t0] = dot(query.data() + j * hs, row.data(), hs) * scale;
+        const float* k = as_float(kc + base + t * hs, hs, row.data());
+        for (int64_t j = 0; j < group; ++j) scores[j * chunk + t - t0] = dot(query.data() + j * hs, k, hs) * scale;
       }
       for (int64_t j = 0; j < group; ++j) {
         float* sj = scores.data() + j * chunk;
@@ -262,12 +274,12 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
       float* acc = part_acc.data() + task * group * hs;
       std::fill(acc, acc + group * hs, 0.f);
       for (int64_t t = t0; t < t1; ++t) {
-        const BFloat16* v = vc + base + t * hs;
-        for (int64_t i = 0; i < hs; ++i) row[i] = f(v[i]);
+        const float* v = as_float(vc + base + t * hs, hs, row.data());
         for (int64_t j = 0; j < group; ++j) {
           const float p = scores[j * chunk + t - t0];
           float* aj = acc + j * hs;
-          for (int64_t i = 0; i < hs; ++i) aj[i] += p * row[i];
+#pragma omp simd
+          for (int64_t i = 0; i < hs; ++i) aj[i] += p * v[i];
         }
       }
     }
@@ -291,9 +303,40 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
         const float* acc = part_acc.data() + at * hs;
         for (int64_t i = 0; i < hs; ++i) merged[i] += w * acc[i];
       }
-      BFloat16* ob = op + (b * nh + (kv * group + j)) * hs;
-      for (int64_t i = 0; i < hs; ++i) ob[i] = bf(merged[i] / total);
+      T* ob = op + (b * nh + (kv * group + j)) * hs;
+      for (int64_t i = 0; i < hs; ++i) ob[i] = to<T>(merged[i] / total);
     }
+  }
+}
+
+Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
+                        const Tensor& positions) {
+  const auto type = q.scalar_type();
+  check_activation(q, type, "decode_attention q");
+  check_activation(k_cache, type, "decode_attention k_cache");
+  check_activation(v_cache, type, "decode_attention v_cache");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "decode_attention: q (rows, n_heads, head_dim), 4-d caches");
+  check_rows(k_cache, v_cache, slots, positions, q.size(0), k_cache.size(1), "decode_attention");
+  const int64_t B = q.size(0), nh = q.size(1), hs = q.size(2), nkv = k_cache.size(1), P = k_cache.size(2);
+  TORCH_CHECK(nh % nkv == 0 && k_cache.size(3) == hs, "decode_attention: shapes disagree");
+  auto slot = slots.to(at::kLong).contiguous();
+  auto pos = positions.to(at::kLong).contiguous();
+  const int64_t* sp = slot.const_data_ptr<int64_t>();
+  const int64_t* pp = pos.const_data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < k_cache.size(0) && pp[b] >= 0 && pp[b] < P, "decode_attention: row ", b,
+                " points outside the cache");
+    longest = std::max(longest, pp[b] + 1);
+  }
+  Tensor out = at::empty({B, nh * hs}, q.options());
+  if (type == at::kBFloat16) {
+    decode_attention_rows(q.const_data_ptr<BFloat16>(), k_cache.const_data_ptr<BFloat16>(),
+                          v_cache.const_data_ptr<BFloat16>(), out.mutable_data_ptr<BFloat16>(), sp, pp, B, nh, nkv, hs,
+                          P, longest);
+  } else {
+    decode_attention_rows(q.const_data_ptr<float>(), k_cache.const_data_ptr<float>(), v_cache.const_data_ptr<float>(),
+                          out.mutable_data_ptr<float>(), sp, pp, B, nh, nkv, hs, P, longest);
   }
   return out;
 }

@@ -48,7 +48,7 @@ def build_target() -> tuple[str, list[str]]:
     the attention's dot products), so the CPU's model and flags are part of the name, with the source and
     torch's version: a home directory shared by different machines or environments never hands one a
     library built for another."""
-    flags = ["-O3", "-fopenmp-simd"]
+    flags = ["-O3", "-fopenmp-simd", "-ffp-contract=off"]  # no fused multiply-adds the eager ops would round apart
     if sys.platform.startswith("linux") and torch.backends.openmp.is_available():
         flags.append("-fopenmp")  # at::parallel_for (the attention over long contexts) runs on one thread without it
     key = [SOURCE.read_bytes(), torch.__version__.encode(), str(torch.compiled_with_cxx11_abi()).encode()]

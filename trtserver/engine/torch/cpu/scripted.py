@@ -10,7 +10,7 @@ Two functions, one per eager decode path of ``model.py``:
 - ``_batch_decode``: larger batches, and every decode of a model without the small-batch kernels
   (float32, unquantized), through oneDNN's pre-packed projections and the bmm attention (the K/V
   copied into the dense buffers first, for bfloat16).
-Where the fused kernels of ``kernels.cpp`` load (bfloat16), ``_fused_decode`` and ``_fused_batch_decode``
+Where the fused kernels of ``kernels.cpp`` load, ``_fused_decode`` and ``_fused_batch_decode``
 take their place: RMSNorm, RoPE with the K/V write and (small batches) the attention in one call each,
 a dozen calls per layer instead of ~40. Their reductions sum in their own order, so they are close
 to the eager layers, not bit for bit.
@@ -108,7 +108,7 @@ def _small_decode(x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v
 def _fused_decode(x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
                   slots: Tensor, positions: Tensor, norms: list[Tensor], weights: list[Tensor], scales: list[Tensor],
                   biases: list[Tensor | None], int4: bool, eps: float, n_heads: int, n_kv_heads: int) -> Tensor:
-    """``_small_decode`` with the fused kernels of ``kernels.cpp`` (bfloat16): ``cos``/``sin`` (B, head_dim),
+    """``_small_decode`` with the fused kernels of ``kernels.cpp``: ``cos``/``sin`` (B, head_dim),
     each row's K/V slot and position instead of the cache rows, the length and the mask."""
     for i in range(len(k_caches)):
         w = 4 * i
@@ -128,8 +128,8 @@ def _fused_batch_decode(x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tens
                         slots: Tensor, positions: Tensor, slot_start: int, length: int, mask: Tensor | None,
                         dense_k: Tensor | None, dense_v: Tensor | None, norms: list[Tensor], weights: list[Tensor],
                         biases: list[Tensor | None], eps: float, n_heads: int, n_kv_heads: int) -> Tensor:
-    """``_batch_decode`` (bfloat16) with the fused RMSNorm and RoPE / K/V write; ``cos``/``sin`` (B, head_dim).
-    Attention stays the bfloat16 bmm: at 16 rows oneDNN's batched GEMMs beat the kernel's loops."""
+    """``_batch_decode`` with the fused RMSNorm and RoPE / K/V write; ``cos``/``sin`` (B, head_dim).
+    Attention stays the bmm: at 16 rows oneDNN's batched GEMMs beat the kernel's loops."""
     nh, nkv = n_heads, n_kv_heads
     for i in range(len(k_caches)):
         w = 4 * i
@@ -294,7 +294,7 @@ def build(model: Transformer, *, fused: bool = True) -> ScriptedDecode | None:
     quantized = int4 or kinds == {Int8Linear}
     packed = all(isinstance(getattr(p, "dense", p), PackedLinear) for p in projections) \
         and kinds <= {PackedLinear, Int4Linear, Int8Linear}
-    if fused and (quantized or packed) and model.tok_embeddings.weight.dtype == torch.bfloat16:
+    if fused and (quantized or packed) and model.tok_embeddings.weight.dtype in (torch.bfloat16, torch.float32):
         from trtserver.engine.torch.cpu import kernels
 
         fused = kernels.load()
