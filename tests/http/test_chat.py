@@ -61,8 +61,9 @@ def test_plain_completion(client: OpenAI) -> None:
 
 
 def test_stream_role_first_finish_last_and_usage_chunk(client: OpenAI) -> None:
-    whole = create(client, messages=QUESTION, max_tokens=8, temperature=0)
-    chunks = list(create(client, messages=QUESTION, max_tokens=8, temperature=0, stream=True,
+    # seeded: neither takes a cached prefix, which may round a near tie apart and would change cached_tokens
+    whole = create(client, messages=QUESTION, max_tokens=8, temperature=0, seed=0)
+    chunks = list(create(client, messages=QUESTION, max_tokens=8, temperature=0, seed=0, stream=True,
                          stream_options={"include_usage": True}))
     *parts, usage_chunk = chunks
     assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].id.startswith("chatcmpl-")
@@ -149,7 +150,8 @@ def test_named_tool_choice(client: OpenAI) -> None:
 
 
 def test_named_tool_choice_streamed_one_entry_per_call_per_delta(http: httpx.Client) -> None:
-    body = {"messages": WEATHER_QUESTION, "max_tokens": 40, "temperature": 0, "tools": [WEATHER],
+    # seeded: neither request takes a cached prefix, whose shorter prefill may round a near tie apart
+    body = {"messages": WEATHER_QUESTION, "max_tokens": 40, "temperature": 0, "seed": 0, "tools": [WEATHER],
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     chunks = [json.loads(p) for p in sse(http, body)[:-1]]
     deltas = [c["choices"][0] for c in chunks]
@@ -215,10 +217,11 @@ def test_seed_reproducible(client: OpenAI) -> None:
 
 
 def test_stop_strings(client: OpenAI) -> None:
-    full = create(client, messages=QUESTION, max_tokens=10, temperature=0).choices[0].message.content or ""
+    # seeded: neither takes a cached prefix, whose shorter prefill may round a near tie apart
+    full = create(client, messages=QUESTION, max_tokens=10, temperature=0, seed=0).choices[0].message.content or ""
     stop = " " + full.split()[2]  # the third word, with its leading space
     assert stop in full
-    response = create(client, messages=QUESTION, max_tokens=10, temperature=0, stop=[stop, "zzz"])
+    response = create(client, messages=QUESTION, max_tokens=10, temperature=0, seed=0, stop=[stop, "zzz"])
     choice = response.choices[0]
     assert choice.message.content == full[:full.index(stop)]
     assert choice.finish_reason == "stop" and (choice.model_extra or {}).get("stop_reason") == stop
@@ -260,14 +263,15 @@ def test_chat_and_templated_completion_agree(http: httpx.Client, engine_dir: Pat
     reference_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     tokenized = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()
     assert tokenized["tokens"] == reference_ids
+    # seeded: no request takes a cached prefix, whose shorter prefill may round a near tie apart
     completion = http.post("/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 12,
-                                                    "temperature": 0, "return_token_ids": True}).json()
+                                                    "temperature": 0, "seed": 0, "return_token_ids": True}).json()
     chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 12,
-                                                   "temperature": 0}).json()
+                                                   "temperature": 0, "seed": 0}).json()
     assert completion["choices"][0]["prompt_token_ids"] == reference_ids
     assert chat["usage"]["prompt_tokens"] == len(reference_ids) == completion["usage"]["prompt_tokens"]
     assert chat["choices"][0]["message"]["content"] == completion["choices"][0]["text"]
     assert chat["choices"][0]["finish_reason"] == completion["choices"][0]["finish_reason"]
     by_ids = http.post("/v1/completions", json={"model": MODEL, "prompt": tokenized["tokens"], "max_tokens": 12,
-                                                "temperature": 0}).json()
+                                                "temperature": 0, "seed": 0}).json()
     assert by_ids["choices"][0]["text"] == completion["choices"][0]["text"]
