@@ -71,7 +71,9 @@ def main() -> None:
             ("small-batch kernels, through the fused CPU kernels (the default where they build)", True, fused)):
         core.model_runner.accelerated = decode
         if decode is fused and not (fused is not None and (fused.fused_small if small else fused.fused_batch)):
-            label += " [the kernels did not build: ATen calls]"
+            label += " [no fused kernels on this path (not built, or float32 batches): ATen calls]"
+        elif decode is unfused and not (unfused is not None and unfused.covers(small)):
+            label += " [the eager layers: the ATen calls do not read the kernels' int4 layout]"
         lps, top = score(engine, ids, small=small)
         agree = sum(a == b for a, b in zip(top, ref_top)) / n
         worst = max(abs(a - b) for a, b in zip(lps, ref))

@@ -130,6 +130,53 @@ def test_the_attention_threads_where_torch_has_openmp(ops) -> None:  # type: ign
     assert (b"GOMP_parallel" in library) == threaded  # the parallel region is an OpenMP one
 
 
+def _int4_weights(n: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Random 4-bit weights in the kernel's layout: (packed, scales_mins, the float32 weights they stand for)."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g, dtype=torch.uint8)
+    scale, low = torch.rand(n, k // 32, 1, generator=g) / 8, torch.randn(n, k // 32, 1, generator=g)
+    packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+    return packed, torch.cat([scale, low], -1).contiguous(), (q.float() * scale + low).view(n, k)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+def test_int4_linear_is_the_matmul_of_its_weights(ops, rows: int) -> None:  # type: ignore[no-untyped-def]
+    """Four rows at a time share a block's unpacking; more rows take further passes."""
+    packed, scales_mins, weight = _int4_weights(200, 576)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(ops.int4_linear(x, packed, scales_mins), x @ weight.t(), rtol=1e-5, atol=1e-4)
+    xb = x.to(torch.bfloat16)  # bfloat16 activations are widened, the result rounded to bfloat16
+    got = ops.int4_linear(xb, packed, scales_mins)
+    assert got.dtype == torch.bfloat16  # a bfloat16 step apart at most (sums that cancel to near 0: a float32 one)
+    torch.testing.assert_close(got.float(), xb.float() @ weight.t(), rtol=2 ** -8, atol=1e-3)
+
+
+def test_int4_linear_refuses_what_it_cannot_read(ops) -> None:  # type: ignore[no-untyped-def]
+    packed, scales_mins, _ = _int4_weights(8, 64)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.int4_linear(torch.randn(1, 48), packed, scales_mins)
+    with pytest.raises(RuntimeError, match=r"uint8 \(N, K / 2\)"):
+        ops.int4_linear(torch.randn(1, 64), packed.view(8, 2, 16), scales_mins)
+    with pytest.raises(RuntimeError, match="scales_mins"):
+        ops.int4_linear(torch.randn(1, 64), packed, scales_mins[:4])
+
+
+def test_int4_kernel_layout_holds_the_weights_atens_layout_holds(ops) -> None:  # type: ignore[no-untyped-def]
+    """``Int4Linear`` in either layout on the same weights: the same grid, read with float32 activations in
+    the kernel's and with bfloat16 ones in ATen's."""
+    from trtserver.engine.torch.cpu.weights import Int4Linear, KernelSwitch
+
+    linear = torch.nn.Linear(576, 96, bias=True)
+    switch = KernelSwitch(small=True)
+    ours, atens = Int4Linear(linear, switch, kernel_layout=True), Int4Linear(linear, switch)
+    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        got = ours(x)
+        torch.testing.assert_close(got, atens(x.to(torch.bfloat16).float()), rtol=0.02, atol=0.02)
+        exact = linear(x)
+        assert (got - exact).norm() < 0.1 * exact.norm()  # and near the float32 weights (16 levels a block)
+
+
 def test_kernels_refuse_what_they_cannot_read(ops) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
         ops.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-5)
@@ -146,10 +193,11 @@ MODEL_DTYPES = [pytest.param(torch.bfloat16, marks=NEEDS_BF16_PACKING, id="bf16"
 @pytest.fixture(scope="module", params=MODEL_DTYPES)
 def smol_fused(smol_dir: Path, ops, request: pytest.FixtureRequest) -> tuple[Transformer, ScriptedDecode]:  # type: ignore[no-untyped-def]
     model = load_model(smol_dir, request.param, torch.device("cpu"))
-    quantize_weights(model, "int4")
+    quantize_weights(model, "int4", int4_kernel=True)  # as the loader does where the kernels load
     model.setup_rope(MAX_LEN)
     decode = accelerate(model)
-    assert decode is not None and decode.fused_small and decode.fused_batch
+    # float32 batches keep the ATen calls
+    assert decode is not None and decode.fused_small and decode.fused_batch == (request.param == torch.bfloat16)
     return model, decode
 
 
@@ -186,11 +234,11 @@ def test_fused_decode_follows_the_eager_layers(smol_fused: tuple[Transformer, Sc
     _agree(smol_fused[0], slots, positions, want, got, eager_cache, fused_cache)
 
 
-@pytest.mark.parametrize("dtype", MODEL_DTYPES)
+@NEEDS_BF16_PACKING
 @pytest.mark.parametrize(("slots", "positions"), CASES)
 def test_fused_batch_decode_follows_the_eager_batch_path(smol_dir: Path, ops, slots: list[int],  # type: ignore[no-untyped-def]
-                                                         positions: list[int], dtype: torch.dtype) -> None:
-    model = load_model(smol_dir, dtype, torch.device("cpu"))
+                                                         positions: list[int]) -> None:
+    model = load_model(smol_dir, torch.bfloat16, torch.device("cpu"))
     pack_for_cpu(model)  # unquantized: only the batch path is scripted
     model.setup_rope(MAX_LEN)
     decode = accelerate(model)

@@ -116,9 +116,12 @@ def load(path: Path, config: ServerConfig, placement: Placement, *, eos_token_id
     dtype = placement.dtype or pick_cpu_dtype()
     model = load_model(path, dtype, device)
     if placement.quantize is not None:
+        from trtserver.engine.torch.cpu import kernels
         from trtserver.engine.torch.cpu.weights import quantize_weights
 
-        quantize_weights(model, placement.quantize)
+        # a LoRA server's base rows take the ATen calls, which read ATen's int4 layout
+        int4_kernel = placement.quantize == "int4" and adapters is None and kernels.load()
+        quantize_weights(model, placement.quantize, int4_kernel=int4_kernel)
     elif device.type == "cpu":
         from trtserver.engine.torch.cpu.weights import can_pack_for_cpu, pack_for_cpu
 

@@ -6,7 +6,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -341,6 +341,110 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   return out;
 }
 
+// Weight-only int4 for small batches: w[n][k] = q * scale + min, in blocks of 32 along k, each block's 32 values
+// as 16 bytes (byte j: value j in its low nibble, value j + 16 in its high one). y[r][n] = sum over blocks of
+// scale * (q . x) + min * sum(x), with x in float32: the activations are not rounded. R rows share each block's
+// unpacking.
+template <int R>
+void int4_rows(const float* x, const float* block_sums, const uint8_t* packed, const float* scales_mins, float* y,
+               int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t G = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = packed + n * (K / 2);
+    const float* sm = scales_mins + n * G * 2;  // block g: scale sm[2 g], min sm[2 g + 1]
+    float total[R];
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16));
+      const __m128i lo = _mm_and_si128(bytes, nibble), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+      const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+      const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+      const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+      const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+      const __m256 scale = _mm256_set1_ps(sm[2 * g]);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * K + g * 32;
+        __m256 d = _mm256_mul_ps(q0, _mm256_loadu_ps(xr));
+        d = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xr + 8), d);
+        d = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xr + 16), d);
+        d = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24), d);
+        acc[r] = _mm256_fmadd_ps(d, scale, acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+      const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+      total[r] = _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+    }
+#else
+    for (int r = 0; r < R; ++r) total[r] = 0.f;
+    float q[32];
+    for (int64_t g = 0; g < G; ++g) {
+      for (int j = 0; j < 16; ++j) {
+        q[j] = static_cast<float>(w[g * 16 + j] & 0x0F);
+        q[j + 16] = static_cast<float>(w[g * 16 + j] >> 4);
+      }
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * K + g * 32;
+        float d = 0.f;
+        for (int j = 0; j < 32; ++j) d += q[j] * xr[j];
+        total[r] += d * sm[2 * g];
+      }
+    }
+#endif
+    for (int r = 0; r < R; ++r) {
+      float offset = 0.f;
+      for (int64_t g = 0; g < G; ++g) offset += sm[2 * g + 1] * block_sums[r * G + g];
+      y[r * N + n] = total[r] + offset;
+    }
+  }
+}
+
+Tensor int4_linear(const Tensor& x, const Tensor& packed, const Tensor& scales_mins) {
+  const auto type = x.scalar_type();
+  check_activation(x, type, "int4_linear x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "int4_linear: x must be (rows, K), K a multiple of 32");
+  const int64_t rows = x.size(0), K = x.size(1), G = K / 32;
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.dim() == 2 && packed.size(1) == K / 2, "int4_linear: packed must be contiguous uint8 (N, K / 2)");
+  const int64_t N = packed.size(0);
+  TORCH_CHECK(scales_mins.device().is_cpu() && scales_mins.scalar_type() == at::kFloat && scales_mins.is_contiguous() &&
+              scales_mins.dim() == 3 && scales_mins.size(0) == N && scales_mins.size(1) == G && scales_mins.size(2) == 2,
+              "int4_linear: scales_mins must be contiguous float32 (N, K / 32, 2)");
+  const Tensor xf = type == at::kFloat ? x : x.to(at::kFloat);
+  const float* xp = xf.const_data_ptr<float>();
+  std::vector<float> block_sums(rows * G);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < G; ++g) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < 32; ++j) sum += xp[r * K + g * 32 + j];
+      block_sums[r * G + g] = sum;
+    }
+  }
+  Tensor y = at::empty({rows, N}, x.options().dtype(at::kFloat));
+  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
+  const float* sp = scales_mins.const_data_ptr<float>();
+  float* yp = y.mutable_data_ptr<float>();
+  // each task takes output features for every row: the weights, the bulk of the bytes, are read once
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t r = 0; r < rows; r += 4) {
+      const float* xr = xp + r * K;
+      const float* sums = block_sums.data() + r * G;
+      float* yr = yp + r * N;
+      switch (std::min<int64_t>(4, rows - r)) {
+        case 1: int4_rows<1>(xr, sums, wp, sp, yr, K, N, n0, n1); break;
+        case 2: int4_rows<2>(xr, sums, wp, sp, yr, K, N, n0, n1); break;
+        case 3: int4_rows<3>(xr, sums, wp, sp, yr, K, N, n0, n1); break;
+        default: int4_rows<4>(xr, sums, wp, sp, yr, K, N, n0, n1); break;
+      }
+    }
+  });
+  return type == at::kFloat ? y : y.to(type);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(trtserver, m) {
@@ -349,4 +453,5 @@ TORCH_LIBRARY(trtserver, m) {
         "Tensor positions, int n_heads, int n_kv_heads) -> Tensor", &rope_cache);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor positions) -> Tensor",
         &decode_attention);
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_mins) -> Tensor", &int4_linear);
 }

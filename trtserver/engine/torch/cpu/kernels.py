@@ -29,7 +29,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-OPS = ("rms_norm", "rope_cache", "decode_attention")
+OPS = ("rms_norm", "rope_cache", "decode_attention", "int4_linear")
 BUILD_TIMEOUT_S = 300.0
 STALE_LOCK_S = 900.0  # a build lock older than this was left by a build that died
 MODULE = "trtserver.engine.torch.cpu.kernels"  # the child that builds them

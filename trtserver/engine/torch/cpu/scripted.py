@@ -58,6 +58,15 @@ def _quantized(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, i
     return y
 
 
+def _fused_quantized(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, int4: bool,
+                     int4_kernel: bool) -> Tensor:
+    """``_quantized``, or where the int4 weights are in ``kernels.cpp``'s layout its ``int4_linear``."""
+    if not int4_kernel:
+        return _quantized(x, weight, scales, bias, int4)
+    y = torch.ops.trtserver.int4_linear(x, weight, scales)
+    return y if bias is None else y + bias
+
+
 def _packed(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     none: _NO_SCALARS = []
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", none, "")
@@ -107,20 +116,23 @@ def _small_decode(x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v
 
 def _fused_decode(x: Tensor, cos: Tensor, sin: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
                   slots: Tensor, positions: Tensor, norms: list[Tensor], weights: list[Tensor], scales: list[Tensor],
-                  biases: list[Tensor | None], int4: bool, eps: float, n_heads: int, n_kv_heads: int) -> Tensor:
+                  biases: list[Tensor | None], int4: bool, int4_kernel: bool, eps: float, n_heads: int,
+                  n_kv_heads: int) -> Tensor:
     """``_small_decode`` with the fused kernels of ``kernels.cpp``: ``cos``/``sin`` (B, head_dim),
-    each row's K/V slot and position instead of the cache rows, the length and the mask."""
+    each row's K/V slot and position instead of the cache rows, the length and the mask; ``int4_kernel``: the
+    int4 weights are in the kernels' own layout."""
     for i in range(len(k_caches)):
         w = 4 * i
-        qkv = _quantized(torch.ops.trtserver.rms_norm(x, norms[2 * i], eps), weights[w], scales[w], biases[w], int4)
+        qkv = _fused_quantized(torch.ops.trtserver.rms_norm(x, norms[2 * i], eps), weights[w], scales[w], biases[w],
+                               int4, int4_kernel)
         q = torch.ops.trtserver.rope_cache(qkv, cos, sin, k_caches[i], v_caches[i], slots, positions, n_heads,
                                            n_kv_heads)
         y = torch.ops.trtserver.decode_attention(q, k_caches[i], v_caches[i], slots, positions)
-        x = x + _quantized(y, weights[w + 1], scales[w + 1], biases[w + 1], int4)
-        gate, up = _quantized(torch.ops.trtserver.rms_norm(x, norms[2 * i + 1], eps), weights[w + 2], scales[w + 2],
-                              biases[w + 2], int4).chunk(2, dim=-1)
+        x = x + _fused_quantized(y, weights[w + 1], scales[w + 1], biases[w + 1], int4, int4_kernel)
+        gate, up = _fused_quantized(torch.ops.trtserver.rms_norm(x, norms[2 * i + 1], eps), weights[w + 2],
+                                    scales[w + 2], biases[w + 2], int4, int4_kernel).chunk(2, dim=-1)
         # SiLU × up stays ATen's, whose exp is vectorised
-        x = x + _quantized(F.silu(gate) * up, weights[w + 3], scales[w + 3], biases[w + 3], int4)
+        x = x + _fused_quantized(F.silu(gate) * up, weights[w + 3], scales[w + 3], biases[w + 3], int4, int4_kernel)
     return x
 
 
@@ -179,18 +191,18 @@ class ScriptedDecode:
     for batches without adapters."""
 
     def __init__(self, model: Transformer, small: Callable[..., Tensor] | None, batch: Callable[..., Tensor] | None,
-                 *, int4: bool, fused: tuple[bool, bool]) -> None:
+                 *, int4: bool, int4_kernel: bool, fused: tuple[bool, bool]) -> None:
         args = model.args
         layers = _blocks(model)
         projections = [p for layer in layers for p in _projections(layer)]
         self.model = model
-        self._small, self._batch, self._int4 = small, batch, int4
+        self._small, self._batch, self._int4, self._int4_kernel = small, batch, int4, int4_kernel
         self.fused_small, self.fused_batch = fused  # which paths run the fused kernels (_fused_*decode)
         self._norms = [t for layer in layers for t in (layer.attention_norm.weight, layer.ffn_norm.weight)]
         self._biases = [cast("Tensor | None", getattr(p, "bias", None)) for p in projections]
         # small: the quantized weights and their scales; batch: the pre-packed ones (a quantized
         # projection keeps its packed copy as ``dense``)
-        quantized = [(p.packed, p.scales_zeros) if int4 else (p.q, p.scale) for p in projections] \
+        quantized = [(p.packed, p.scales) if int4 else (p.q, p.scale) for p in projections] \
             if small is not None else []
         self._quantized = [w for w, _ in quantized]
         self._scales = [s for _, s in quantized]
@@ -219,8 +231,8 @@ class ScriptedDecode:
             if ctx.small and self.fused_small:
                 assert self._small is not None
                 y = self._small(x2, cos.view(B, -1), sin.view(B, -1), k_caches, v_caches, ctx.slots, ctx.pos.view(-1),
-                                self._norms, self._quantized, self._scales, self._biases, self._int4, self._eps,
-                                *self._heads[:2])
+                                self._norms, self._quantized, self._scales, self._biases, self._int4,
+                                self._int4_kernel, self._eps, *self._heads[:2])
             elif not ctx.small and self.fused_batch:
                 assert self._batch is not None
                 dense_k, dense_v = ctx.dense if ctx.dense is not None else (None, None)
@@ -294,7 +306,10 @@ def build(model: Transformer, *, fused: bool = True) -> ScriptedDecode | None:
     quantized = int4 or kinds == {Int8Linear}
     packed = all(isinstance(getattr(p, "dense", p), PackedLinear) for p in projections) \
         and kinds <= {PackedLinear, Int4Linear, Int8Linear}
-    if fused and (quantized or packed) and model.tok_embeddings.weight.dtype in (torch.bfloat16, torch.float32):
+    # the kernels were loaded when the weights took their layout
+    int4_kernel = int4 and all(getattr(p, "kernel_layout", False) for p in projections)
+    dtype = model.tok_embeddings.weight.dtype
+    if fused and (quantized or packed) and dtype in (torch.bfloat16, torch.float32):
         from trtserver.engine.torch.cpu import kernels
 
         fused = kernels.load()
@@ -302,12 +317,13 @@ def build(model: Transformer, *, fused: bool = True) -> ScriptedDecode | None:
         fused = False
     small = _script(_fused_decode) if fused and quantized else None
     fused_small = small is not None
-    if quantized and small is None:
+    if quantized and small is None and not int4_kernel:  # the ATen calls cannot read the kernels' int4 layout
         small = _script(_small_decode)
-    batch = _script(_fused_batch_decode) if fused and packed else None
+    # float32 batches keep the ATen calls: the fused RMSNorm and RoPE bring them nothing measurable
+    batch = _script(_fused_batch_decode) if fused and packed and dtype == torch.bfloat16 else None
     fused_batch = batch is not None
     if packed and batch is None:
         batch = _script(_batch_decode)
     if small is None and batch is None:
         return None
-    return ScriptedDecode(model, small, batch, int4=int4, fused=(fused_small, fused_batch))
+    return ScriptedDecode(model, small, batch, int4=int4, int4_kernel=int4_kernel, fused=(fused_small, fused_batch))

@@ -72,7 +72,9 @@ class Int4Linear(nn.Module):
 
     GROUP = 32
 
-    def __init__(self, linear: nn.Linear, kernels: KernelSwitch) -> None:
+    def __init__(self, linear: nn.Linear, kernels: KernelSwitch, *, kernel_layout: bool = False) -> None:
+        """``kernel_layout``: the weights in the layout of ``kernels.cpp``'s ``int4_linear`` (loaded), which
+        takes the activations in float32; else in ATen's, whose kernel takes them in bfloat16."""
         super().__init__()
         self.kernels = kernels
         w = linear.weight.detach()
@@ -81,11 +83,17 @@ class Int4Linear(nn.Module):
         groups = w.float().view(N, K // g, g)
         lo, hi = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
         scale = ((hi - lo) / 15).clamp(min=1e-10)
-        q = ((groups - lo) / scale).round().clamp(0, 15).to(torch.int32).view(N, K)
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-        zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
-        self.scales_zeros = torch.stack([scale.view(N, K // g).t(), zero.view(N, K // g).t()], -1) \
-            .contiguous().to(torch.bfloat16)  # (K / g, N, 2)
+        q = ((groups - lo) / scale).round().clamp(0, 15).to(torch.int32)  # (N, K / g, g)
+        self.kernel_layout = kernel_layout
+        if kernel_layout:  # a block's 16 bytes: value j in the low nibble of byte j, value j + 16 in its high one
+            halves = q.to(torch.uint8).view(N, K // g, 2, g // 2)
+            self.packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
+            self.scales = torch.cat([scale, lo], -1).contiguous()  # (N, K / g, 2) float32: w = q * scale + min
+        else:
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(q.view(N, K), 1)
+            zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
+            self.scales = torch.stack([scale.view(N, K // g).t(), zero.view(N, K // g).t()], -1) \
+                .contiguous().to(torch.bfloat16)  # (K / g, N, 2)
         self.bias = linear.bias
         self.out_features = N
         self.dense: nn.Module = PackedLinear(linear) if can_pack_for_cpu(linear.weight.dtype) else linear
@@ -94,9 +102,12 @@ class Int4Linear(nn.Module):
         if not self.kernels.small:
             return self.dense.forward(x)
         rows = x.numel() // x.shape[-1]
-        # the kernel takes bfloat16 activations; a float32 model's are rounded for it and its output widened
-        y = torch._weight_int4pack_mm_for_cpu(x.reshape(rows, x.shape[-1]).to(torch.bfloat16), self.packed,
-                                              self.GROUP, self.scales_zeros).to(x.dtype)
+        flat = x.reshape(rows, x.shape[-1])
+        if self.kernel_layout:
+            y = torch.ops.trtserver.int4_linear(flat.contiguous(), self.packed, self.scales)
+        else:  # ATen's kernel takes bfloat16 activations: a float32 model's are rounded for it, its output widened
+            y = torch._weight_int4pack_mm_for_cpu(flat.to(torch.bfloat16), self.packed, self.GROUP,
+                                                  self.scales).to(x.dtype)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -111,8 +122,8 @@ class Int4Head(Int4Linear):
 
     REFINE = 256
 
-    def __init__(self, linear: nn.Linear, kernels: KernelSwitch) -> None:
-        super().__init__(linear, kernels)
+    def __init__(self, linear: nn.Linear, kernels: KernelSwitch, *, kernel_layout: bool = False) -> None:
+        super().__init__(linear, kernels, kernel_layout=kernel_layout)
         self.weight = linear.weight  # (V, dim); shared with the embedding table when tied
 
     def forward(self, x: Tensor) -> Tensor:
@@ -155,11 +166,12 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def quantize_weights(model: Transformer, kind: str) -> KernelSwitch:
+def quantize_weights(model: Transformer, kind: str, *, int4_kernel: bool = False) -> KernelSwitch:
     """Give every projection (and, for int4, the output head) a weight-only int8 / int4 copy for
     decode (CPU, bfloat16 only). int8 leaves the output head in bfloat16: on the head's matrix the
-    int8 kernel is no faster than the pre-packed bf16 GEMM. Returns the projections' shared switch
-    (``kernel_switch`` finds it again)."""
+    int8 kernel is no faster than the pre-packed bf16 GEMM. ``int4_kernel``: int4 in the layout of the
+    loaded ``kernels.cpp`` (``Int4Linear``). Returns the projections' shared switch (``kernel_switch``
+    finds it again)."""
     weight = model.tok_embeddings.weight
     dtypes = (torch.bfloat16, torch.float32) if kind == "int4" else (torch.bfloat16,)
     if weight.dtype not in dtypes or weight.device.type != "cpu":
@@ -167,15 +179,20 @@ def quantize_weights(model: Transformer, kind: str) -> KernelSwitch:
                          "on the CPU")
     if kind == "int4" and (model.args.dim % Int4Linear.GROUP or model.args.intermediate_size % Int4Linear.GROUP):
         raise ValueError("int4 weights need dimensions divisible by 32")
-    cls: type[nn.Module] = {"int8": Int8Linear, "int4": Int4Linear}[kind]
     k = KernelSwitch()
+
+    def quantized(linear: nn.Module) -> nn.Module:
+        if kind == "int4":
+            return Int4Linear(_linear(linear), k, kernel_layout=int4_kernel)
+        return Int8Linear(_linear(linear), k)
+
     for layer in cast("list[Block]", model.layers):
-        layer.attention.wqkv = cls(_linear(layer.attention.wqkv), k)
-        layer.attention.wo = cls(_linear(layer.attention.wo), k)
-        layer.feed_forward.w13 = cls(_linear(layer.feed_forward.w13), k)
-        layer.feed_forward.w2 = cls(_linear(layer.feed_forward.w2), k)
+        layer.attention.wqkv = quantized(layer.attention.wqkv)
+        layer.attention.wo = quantized(layer.attention.wo)
+        layer.feed_forward.w13 = quantized(layer.feed_forward.w13)
+        layer.feed_forward.w2 = quantized(layer.feed_forward.w2)
     if kind == "int4":
-        model.output = Int4Head(model.output, k)  # type: ignore[assignment]
+        model.output = Int4Head(model.output, k, kernel_layout=int4_kernel)  # type: ignore[assignment]
     elif can_pack_for_cpu(model.output.weight.dtype):
         model.output = PackedLinear(model.output)  # type: ignore[assignment]
     return k
