@@ -62,3 +62,19 @@ def test_quantization_auto_is_none_without_a_4bit_source(smol_dir, tmp_path) -> 
     (tmp_path / "trtserver.json").unlink()
     (tmp_path / "trtserver.json").write_text(json.dumps(manifest))
     assert TorchEngine.from_dir(tmp_path, device="cpu", dtype="bfloat16").quantize is None
+
+
+def test_int4_takes_the_fused_kernels_layout_where_it_wins(smol_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from trtserver.engine.torch import loader
+    from trtserver.engine.torch.cpu import kernels
+
+    for flags, wins in (({"avx2", "fma"}, True), ({"avx2", "fma", "avx512f"}, False), (set(), False)):
+        monkeypatch.setattr(loader, "_cpu_flags", lambda flags=flags: flags)
+        assert loader.int4_kernel_wins() is wins
+    monkeypatch.undo()
+    eng = TorchEngine.from_dir(smol_dir, quantization="int4", device="cpu", max_batch_size=2, max_model_len=64,
+                               threads=1)
+    eng.load()
+    assert eng.core is not None
+    projection, head = eng.core.model.layers[0].attention.wqkv, eng.core.model.output
+    assert projection.kernel_layout is head.kernel_layout is (loader.int4_kernel_wins() and kernels.load())

@@ -120,7 +120,7 @@ def load(path: Path, config: ServerConfig, placement: Placement, *, eos_token_id
         from trtserver.engine.torch.cpu.weights import quantize_weights
 
         # a LoRA server's base rows take the ATen calls, which read ATen's int4 layout
-        int4_kernel = placement.quantize == "int4" and adapters is None and kernels.load()
+        int4_kernel = placement.quantize == "int4" and adapters is None and int4_kernel_wins() and kernels.load()
         quantize_weights(model, placement.quantize, int4_kernel=int4_kernel)
     elif device.type == "cpu":
         from trtserver.engine.torch.cpu.weights import can_pack_for_cpu, pack_for_cpu
@@ -192,11 +192,22 @@ def pick_cpu_dtype() -> torch.dtype:
     return choice
 
 
-def _cpu_has_bf16() -> bool:
+def _cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+def _cpu_has_bf16() -> bool:
+    flags = _cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def int4_kernel_wins() -> bool:
+    """Where ``kernels.cpp``'s int4 beats ATen's: x86-64 with AVX2 and FMA but no AVX-512. With AVX-512,
+    ATen's kernel has code of its own that ours did not beat; elsewhere it is unmeasured."""
+    flags = _cpu_flags()
+    return {"avx2", "fma"} <= flags and "avx512f" not in flags
 

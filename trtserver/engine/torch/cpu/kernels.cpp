@@ -343,11 +343,19 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
 
 // Weight-only int4 for small batches: w[n][k] = q * scale + min, in blocks of 32 along k, each block's 32 values
 // as 16 bytes (byte j: value j in its low nibble, value j + 16 in its high one). y[r][n] = sum over blocks of
-// scale * (q . x) + min * sum(x), with x in float32: the activations are not rounded. R rows share each block's
-// unpacking.
+// scale * (q . x) + min * sum(x), the sums of x in float32. With AVX2, q . x multiplies int16s: each block of x
+// is scaled to int16 by its largest magnitude (within 2^-16 of it, where bfloat16 rounds each value to 2^-9),
+// so a block takes two vpmaddwd instead of widening every nibble to float. R rows share each block's unpacking.
+struct Int4Activations {
+  const float* x;            // (rows, K) float32
+  const float* block_sums;   // (rows, K / 32)
+  const int16_t* quantized;  // (rows, K) with AVX2: x / block_scales, rounded
+  const float* block_scales; // (rows, K / 32)
+};
+
 template <int R>
-void int4_rows(const float* x, const float* block_sums, const uint8_t* packed, const float* scales_mins, float* y,
-               int64_t K, int64_t N, int64_t n0, int64_t n1) {
+void int4_rows(const Int4Activations& a, const uint8_t* packed, const float* scales_mins, float* y, int64_t K,
+               int64_t N, int64_t n0, int64_t n1) {
   const int64_t G = K / 32;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = packed + n * (K / 2);
@@ -359,19 +367,15 @@ void int4_rows(const float* x, const float* block_sums, const uint8_t* packed, c
     const __m128i nibble = _mm_set1_epi8(0x0F);
     for (int64_t g = 0; g < G; ++g) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16));
-      const __m128i lo = _mm_and_si128(bytes, nibble), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
-      const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-      const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-      const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-      const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-      const __m256 scale = _mm256_set1_ps(sm[2 * g]);
+      const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, nibble));
+      const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
       for (int r = 0; r < R; ++r) {
-        const float* xr = x + r * K + g * 32;
-        __m256 d = _mm256_mul_ps(q0, _mm256_loadu_ps(xr));
-        d = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xr + 8), d);
-        d = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xr + 16), d);
-        d = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24), d);
-        acc[r] = _mm256_fmadd_ps(d, scale, acc[r]);
+        const int16_t* xq = a.quantized + r * K + g * 32;
+        const __m256i dot = _mm256_add_epi32(
+            _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq))),
+            _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16))));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sm[2 * g] * a.block_scales[r * G + g]),
+                                 acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -388,7 +392,7 @@ void int4_rows(const float* x, const float* block_sums, const uint8_t* packed, c
         q[j + 16] = static_cast<float>(w[g * 16 + j] >> 4);
       }
       for (int r = 0; r < R; ++r) {
-        const float* xr = x + r * K + g * 32;
+        const float* xr = a.x + r * K + g * 32;
         float d = 0.f;
         for (int j = 0; j < 32; ++j) d += q[j] * xr[j];
         total[r] += d * sm[2 * g];
@@ -397,7 +401,7 @@ void int4_rows(const float* x, const float* block_sums, const uint8_t* packed, c
 #endif
     for (int r = 0; r < R; ++r) {
       float offset = 0.f;
-      for (int64_t g = 0; g < G; ++g) offset += sm[2 * g + 1] * block_sums[r * G + g];
+      for (int64_t g = 0; g < G; ++g) offset += sm[2 * g + 1] * a.block_sums[r * G + g];
       y[r * N + n] = total[r] + offset;
     }
   }
@@ -416,12 +420,21 @@ Tensor int4_linear(const Tensor& x, const Tensor& packed, const Tensor& scales_m
               "int4_linear: scales_mins must be contiguous float32 (N, K / 32, 2)");
   const Tensor xf = type == at::kFloat ? x : x.to(at::kFloat);
   const float* xp = xf.const_data_ptr<float>();
-  std::vector<float> block_sums(rows * G);
+  std::vector<float> block_sums(rows * G), block_scales(rows * G);
+  std::vector<int16_t> quantized(rows * K);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < G; ++g) {
-      float sum = 0.f;
-      for (int64_t j = 0; j < 32; ++j) sum += xp[r * K + g * 32 + j];
+      const float* xb = xp + r * K + g * 32;
+      float sum = 0.f, largest = 0.f;
+      for (int64_t j = 0; j < 32; ++j) {
+        sum += xb[j];
+        largest = std::max(largest, std::fabs(xb[j]));
+      }
       block_sums[r * G + g] = sum;
+      const float scale = largest / 32767.f;
+      block_scales[r * G + g] = scale;
+      const float inverse = scale > 0.f ? 1.f / scale : 0.f;
+      for (int64_t j = 0; j < 32; ++j) quantized[r * K + g * 32 + j] = static_cast<int16_t>(std::lrintf(xb[j] * inverse));
     }
   }
   Tensor y = at::empty({rows, N}, x.options().dtype(at::kFloat));
@@ -431,14 +444,14 @@ Tensor int4_linear(const Tensor& x, const Tensor& packed, const Tensor& scales_m
   // each task takes output features for every row: the weights, the bulk of the bytes, are read once
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t r = 0; r < rows; r += 4) {
-      const float* xr = xp + r * K;
-      const float* sums = block_sums.data() + r * G;
+      const Int4Activations a{xp + r * K, block_sums.data() + r * G, quantized.data() + r * K,
+                              block_scales.data() + r * G};
       float* yr = yp + r * N;
       switch (std::min<int64_t>(4, rows - r)) {
-        case 1: int4_rows<1>(xr, sums, wp, sp, yr, K, N, n0, n1); break;
-        case 2: int4_rows<2>(xr, sums, wp, sp, yr, K, N, n0, n1); break;
-        case 3: int4_rows<3>(xr, sums, wp, sp, yr, K, N, n0, n1); break;
-        default: int4_rows<4>(xr, sums, wp, sp, yr, K, N, n0, n1); break;
+        case 1: int4_rows<1>(a, wp, sp, yr, K, N, n0, n1); break;
+        case 2: int4_rows<2>(a, wp, sp, yr, K, N, n0, n1); break;
+        case 3: int4_rows<3>(a, wp, sp, yr, K, N, n0, n1); break;
+        default: int4_rows<4>(a, wp, sp, yr, K, N, n0, n1); break;
       }
     }
   });
