@@ -78,3 +78,5 @@ def test_int4_takes_the_fused_kernels_layout_where_it_wins(smol_dir, monkeypatch
     assert eng.core is not None
     projection, head = eng.core.model.layers[0].attention.wqkv, eng.core.model.output
     assert projection.kernel_layout is head.kernel_layout is (loader.int4_kernel_wins() and kernels.load())
+    # the engine's own int4 kernel stays ahead of the float32 weights up to 8 rows, ATen's up to 4
+    assert eng.core.model_runner.small_batch == (8 if projection.kernel_layout else 4)

@@ -98,25 +98,26 @@ def test_stream_bytes_on_the_wire(base_url: str, client: OpenAI, version: str) -
 
 
 def _alone_and_together(client: OpenAI) -> tuple[list[str], list[str]]:
-    """Greedy answers to two prompts sent alone, then to six prompts sent at once (more rows than
+    """Greedy answers to two prompts sent alone, then to ten prompts sent at once (more rows than
     the CPU engine's small-batch kernels take). Seeded, as batch invariance promises: a seeded
     request takes no cached prefix, whose shorter prefill may round a near tie apart."""
-    prompts = [f"Count to {i}:" for i in range(3, 9)]
+    prompts = [f"Count to {i}:" for i in range(3, 13)]
 
     def one(prompt: str) -> str:
         return client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
                                          seed=0).choices[0].text
 
     alone = [one(p) for p in prompts[:2]]
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
         together = list(pool.map(one, prompts))
     return alone, together
 
 
 def test_concurrent_requests_all_answer(client: OpenAI) -> None:
-    # by default a batch above 4 rows takes other kernels than one alone, which may change a near tie
+    # by default a batch above 4 rows (8 with the engine's own int4 kernel) takes other kernels than one
+    # alone, which may change a near tie
     _, together = _alone_and_together(client)
-    assert all(together) and len(together) == 6
+    assert all(together) and len(together) == 10
 
 
 @pytest.fixture(scope="module")

@@ -71,13 +71,14 @@ def auto_quantization(config: ServerConfig, manifest: Manifest, device: torch.de
     return "int4" if device.type == "cpu" and dtype_allows and four_bit and not config.batch_invariant else "none"
 
 
-def small_batch(config: ServerConfig, device: torch.device, dtype: torch.dtype, quantize: str | None) -> int:
+def small_batch(config: ServerConfig, device: torch.device, dtype: torch.dtype, quantize: str | None,
+                *, int4_kernel: bool = False) -> int:
     """Small decode batches take kernels of their own on the CPU (float32 attention, int4 / int8) where
     the model is in bfloat16 or quantized; never where every batch size must compute alike."""
-    from trtserver.engine.torch.model_runner import SMALL_BATCH
+    from trtserver.engine.torch.model_runner import SMALL_BATCH, SMALL_BATCH_INT4_KERNEL
 
     on = device.type == "cpu" and (dtype == torch.bfloat16 or quantize is not None) and not config.batch_invariant
-    return SMALL_BATCH if on else 0
+    return 0 if not on else SMALL_BATCH_INT4_KERNEL if int4_kernel else SMALL_BATCH
 
 
 def thread_counts(config: ServerConfig, device: torch.device) -> tuple[int, int] | None:
@@ -115,6 +116,7 @@ def load(path: Path, config: ServerConfig, placement: Placement, *, eos_token_id
     t0 = time.perf_counter()
     dtype = placement.dtype or pick_cpu_dtype()
     model = load_model(path, dtype, device)
+    int4_kernel = False
     if placement.quantize is not None:
         from trtserver.engine.torch.cpu import kernels
         from trtserver.engine.torch.cpu.weights import quantize_weights
@@ -138,10 +140,10 @@ def load(path: Path, config: ServerConfig, placement: Placement, *, eos_token_id
         from trtserver.engine.torch.cpu import accelerate
 
         decode = accelerate(model)
+    small = small_batch(config, device, dtype, placement.quantize, int4_kernel=int4_kernel)
     core = EngineCore(model, num_slots=config.max_batch_size, max_len=max_len, chunk_size=config.prefill_chunk_size,
-                      eos_token_ids=eos_token_ids, device=device, seed=seed,
-                      small_batch=small_batch(config, device, dtype, placement.quantize), threads=threads, lora=lora,
-                      decode=decode,
+                      eos_token_ids=eos_token_ids, device=device, seed=seed, small_batch=small, threads=threads,
+                      lora=lora, decode=decode,
                       prefix_cache=config.prefix_cache, cache_slots=config.prefix_cache_extra_slots)
     if device.type == "cuda" and config.cuda_graphs:
         from trtserver.engine.torch.graphs import capture_decode_graphs
