@@ -136,7 +136,7 @@ def _int4_weights(n: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
     q = torch.randint(0, 16, (n, k // 32, 32), generator=g, dtype=torch.uint8)
     scale, low = torch.rand(n, k // 32, 1, generator=g) / 8, torch.randn(n, k // 32, 1, generator=g)
     packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2).contiguous()
-    return packed, torch.cat([scale, low], -1).contiguous(), (q.float() * scale + low).view(n, k)
+    return packed, torch.cat([scale, low], -1).transpose(1, 2).contiguous(), (q.float() * scale + low).view(n, k)
 
 
 def _relative_error(got: Tensor, want: Tensor) -> float:
@@ -160,13 +160,15 @@ def test_int4_linear_is_the_matmul_of_its_weights(ops, rows: int) -> None:  # ty
 
 
 def test_int4_linear_refuses_what_it_cannot_read(ops) -> None:  # type: ignore[no-untyped-def]
-    packed, scales_mins, _ = _int4_weights(8, 64)
+    packed, scales_mins, _ = _int4_weights(8, 96)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.int4_linear(torch.randn(1, 48), packed, scales_mins)
     with pytest.raises(RuntimeError, match=r"uint8 \(N, K / 2\)"):
-        ops.int4_linear(torch.randn(1, 64), packed.view(8, 2, 16), scales_mins)
+        ops.int4_linear(torch.randn(1, 96), packed.view(8, 3, 16), scales_mins)
     with pytest.raises(RuntimeError, match="scales_mins"):
-        ops.int4_linear(torch.randn(1, 64), packed, scales_mins[:4])
+        ops.int4_linear(torch.randn(1, 96), packed, scales_mins[:4])
+    with pytest.raises(RuntimeError, match="scales_mins"):
+        ops.int4_linear(torch.randn(1, 96), packed, scales_mins.transpose(1, 2).contiguous())  # (N, K / 32, 2)
 
 
 def test_int4_kernel_layout_holds_the_weights_atens_layout_holds(ops) -> None:  # type: ignore[no-untyped-def]

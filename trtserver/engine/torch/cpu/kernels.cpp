@@ -359,11 +359,12 @@ void int4_rows(const Int4Activations& a, const uint8_t* packed, const float* sca
   const int64_t G = K / 32;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = packed + n * (K / 2);
-    const float* sm = scales_mins + n * G * 2;  // block g: scale sm[2 g], min sm[2 g + 1]
+    const float* sc = scales_mins + n * G * 2;  // the row's G scales, then its G mins
+    const float* mn = sc + G;
     float total[R];
 #if defined(__AVX2__) && defined(__FMA__)
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 acc[2][R];  // even and odd blocks: two FMA chains a row, not one
+    for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
     const __m128i nibble = _mm_set1_epi8(0x0F);
     for (int64_t g = 0; g < G; ++g) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16));
@@ -374,12 +375,13 @@ void int4_rows(const Int4Activations& a, const uint8_t* packed, const float* sca
         const __m256i dot = _mm256_add_epi32(
             _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq))),
             _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16))));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sm[2 * g] * a.block_scales[r * G + g]),
-                                 acc[r]);
+        __m256& chain = acc[g & 1][r];
+        chain = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sc[g] * a.block_scales[r * G + g]), chain);
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+      const __m256 both = _mm256_add_ps(acc[0][r], acc[1][r]);
+      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
       const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
       total[r] = _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
     }
@@ -395,13 +397,15 @@ void int4_rows(const Int4Activations& a, const uint8_t* packed, const float* sca
         const float* xr = a.x + r * K + g * 32;
         float d = 0.f;
         for (int j = 0; j < 32; ++j) d += q[j] * xr[j];
-        total[r] += d * sm[2 * g];
+        total[r] += d * sc[g];
       }
     }
 #endif
     for (int r = 0; r < R; ++r) {
+      const float* sums = a.block_sums + r * G;
       float offset = 0.f;
-      for (int64_t g = 0; g < G; ++g) offset += sm[2 * g + 1] * a.block_sums[r * G + g];
+#pragma omp simd reduction(+ : offset)
+      for (int64_t g = 0; g < G; ++g) offset += mn[g] * sums[g];
       y[r * N + n] = total[r] + offset;
     }
   }
@@ -416,8 +420,8 @@ Tensor int4_linear(const Tensor& x, const Tensor& packed, const Tensor& scales_m
               packed.dim() == 2 && packed.size(1) == K / 2, "int4_linear: packed must be contiguous uint8 (N, K / 2)");
   const int64_t N = packed.size(0);
   TORCH_CHECK(scales_mins.device().is_cpu() && scales_mins.scalar_type() == at::kFloat && scales_mins.is_contiguous() &&
-              scales_mins.dim() == 3 && scales_mins.size(0) == N && scales_mins.size(1) == G && scales_mins.size(2) == 2,
-              "int4_linear: scales_mins must be contiguous float32 (N, K / 32, 2)");
+              scales_mins.dim() == 3 && scales_mins.size(0) == N && scales_mins.size(1) == 2 && scales_mins.size(2) == G,
+              "int4_linear: scales_mins must be contiguous float32 (N, 2, K / 32): each row's scales, then its mins");
   const Tensor xf = type == at::kFloat ? x : x.to(at::kFloat);
   const float* xp = xf.const_data_ptr<float>();
   std::vector<float> block_sums(rows * G), block_scales(rows * G);

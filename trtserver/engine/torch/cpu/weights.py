@@ -88,7 +88,8 @@ class Int4Linear(nn.Module):
         if kernel_layout:  # a block's 16 bytes: value j in the low nibble of byte j, value j + 16 in its high one
             halves = q.to(torch.uint8).view(N, K // g, 2, g // 2)
             self.packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
-            self.scales = torch.cat([scale, lo], -1).contiguous()  # (N, K / g, 2) float32: w = q * scale + min
+            # (N, 2, K / g) float32, each row's scales then its mins: w = q * scale + min
+            self.scales = torch.stack([scale.view(N, K // g), lo.view(N, K // g)], 1).contiguous()
         else:
             self.packed = torch._convert_weight_to_int4pack_for_cpu(q.view(N, K), 1)
             zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
