@@ -190,14 +190,6 @@ class ScriptedEngine(EngineBase):
         self.requests: list[GenerationRequest] = []
         """Every request generated, in order: what the server asked of the engine."""
 
-    @property
-    def info(self) -> EngineInfo:
-        return self._info
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self._tokenizer
-
     async def start(self) -> None:
         return None
 

@@ -219,7 +219,19 @@ class Engine(Protocol):
 
 
 class EngineBase:
-    """Defaults for the ``Engine`` members most engines need not change; subclass it."""
+    """Defaults for the ``Engine`` members most engines need not change; subclass it, and set ``_info`` and
+    ``_tokenizer`` in ``__init__`` (the ``info`` and ``tokenizer`` properties return them)."""
+
+    _info: EngineInfo
+    _tokenizer: Tokenizer
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
 
     def check(self, request: GenerationRequest) -> list[tuple[str, str]]:
         return []

@@ -119,14 +119,6 @@ class TorchEngine(EngineBase):
         options.setdefault("engine_process", False)  # in process: tests and benchmarks reach engine.core
         return cls(ServerConfig(engine_dir=str(engine_dir), engine="torch", **options), seed=seed, quantize=quantize)
 
-    @property
-    def info(self) -> EngineInfo:
-        return self._info
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self._tokenizer
-
     # ---- life cycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         if self.runner is not None:

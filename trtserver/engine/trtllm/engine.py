@@ -137,19 +137,15 @@ class TrtllmEngine(EngineBase):
             pytorch_beam_width=self.config.trtllm_max_beam_width,
             block_reuse=self._block_reuse(features))
 
+    @property
+    def info(self) -> EngineInfo:
+        return self._engine_info
+
     @cached_property
-    def _info(self) -> EngineInfo:
+    def _engine_info(self) -> EngineInfo:  # on first use: it reads the engine's files
         return self._make_info()
 
     # --- Engine protocol ---------------------------------------------------------------------
-
-    @property
-    def info(self) -> EngineInfo:
-        return self._info
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self._tokenizer
 
     async def start(self) -> None:
         """Import TensorRT-LLM and build its ``LLM`` (which loads the engine, for minutes) in a worker
@@ -170,7 +166,7 @@ class TrtllmEngine(EngineBase):
             os.environ.setdefault("TLLM_WORKER_USE_SINGLE_PROCESS", "1")
         os.environ.setdefault("TLLM_ALLOW_N_GREEDY_DECODING", "1")  # greedy n>1: serving asked for it
         cls = llm_class(self.trtllm, self.features.generation)
-        self._info  # noqa: B018 - probed here, off the event loop
+        self._engine_info  # noqa: B018 - probed here, off the event loop
         model = str(self.trt_engine_dir or self.engine_path)
         kwargs = llm_kwargs(self.features, tokenizer_dir=str(self.tokenizer_dir), tp=self.tp, pp=self.pp,
                             lora=self._lora_llm_kwargs(), kv_cache_config=self._kv_cache_config())
@@ -366,7 +362,7 @@ class TrtllmEngine(EngineBase):
         import torch
 
         # TRT-LLM checks the length against the model's vocab_size (not the tokenizer's)
-        bias = torch.zeros(self._info.vocab_size, dtype=torch.float32)
+        bias = torch.zeros(self.info.vocab_size, dtype=torch.float32)
         if allowed is not None:
             bias.fill_(float("-inf"))
             bias[list(allowed)] = 0.0
@@ -399,7 +395,7 @@ class TrtllmEngine(EngineBase):
                                       our_stop_ids=prep.our_stop_ids, max_tokens=prep.max_tokens,
                                       has_finish_reason=self.features.finish_reason,
                                       vocab_size=self.model_vocab_size, logits_logprobs=prep.logits_logprobs,
-                                      reports_cached_tokens=self._info.capabilities.prefix_caching)
+                                      reports_cached_tokens=self.info.capabilities.prefix_caching)
         active = _Active(request=request, queue=asyncio.Queue(), abortable=prep.abortable)
         try:
             output = self._llm.generate_async(list(request.prompt_token_ids), sampling_params=params,
