@@ -154,6 +154,9 @@ def test_int4_linear_is_the_matmul_of_its_weights(ops, rows: int) -> None:  # ty
     assert got.dtype == torch.float32 and _relative_error(got, want) < 1e-4
     rounded = x.to(torch.bfloat16).double() @ weight.double().t()  # what a kernel on bfloat16 activations reads
     assert _relative_error(got, want) < _relative_error(rounded, want) / 10
+    tiny = x * 1e-36  # blocks too small to scale to int16 keep their min term, and nothing overflows
+    small = ops.int4_linear(tiny, packed, scales_mins).double()
+    assert (small - tiny.double() @ weight.double().t()).abs().max() < 1e-33
     xb = x.to(torch.bfloat16)  # bfloat16 activations are widened, the result rounded to bfloat16
     got = ops.int4_linear(xb, packed, scales_mins)
     assert got.dtype == torch.bfloat16 and _relative_error(got, xb.double() @ weight.double().t()) < 2 ** -8
@@ -177,6 +180,10 @@ def test_int4_kernel_layout_holds_the_weights_atens_layout_holds(ops) -> None:  
     from trtserver.engine.torch.cpu.weights import Int4Linear, KernelSwitch
 
     linear = torch.nn.Linear(576, 96, bias=True)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        linear.weight.copy_(torch.rand(96, 576, generator=g) / 12 - 1 / 24)
+        linear.bias.copy_(torch.rand(96, generator=g) / 12)
     switch = KernelSwitch(small=True)
     ours, atens = Int4Linear(linear, switch, kernel_layout=True), Int4Linear(linear, switch)
     x = torch.randn(2, 576, generator=torch.Generator().manual_seed(6))
@@ -185,6 +192,19 @@ def test_int4_kernel_layout_holds_the_weights_atens_layout_holds(ops) -> None:  
         torch.testing.assert_close(got, atens(x.to(torch.bfloat16).float()), rtol=0.02, atol=0.02)
         exact = linear(x)
         assert (got - exact).norm() < 0.1 * exact.norm()  # and near the float32 weights (16 levels a block)
+
+
+def test_the_kernels_int4_layout_without_the_fused_kernels_runs_the_eager_layers(smol_dir: Path, ops) -> None:  # type: ignore[no-untyped-def]
+    """The ATen-call decode cannot read the kernels' int4 layout: small batches then take the eager layers, whose
+    projections call ``int4_linear`` themselves."""
+    model = load_model(smol_dir, torch.float32, torch.device("cpu"))
+    quantize_weights(model, "int4", int4_kernel=True)
+    model.setup_rope(MAX_LEN)
+    decode = accelerate(model, fused=False)
+    assert decode is not None and not decode.covers(True) and decode.covers(False)
+    fused = accelerate(model)
+    want, got, _, _ = _run_both(model, fused, [0, 2], [9, 30], small=True)  # the eager layers against the fused
+    _close(got, want)
 
 
 def test_kernels_refuse_what_they_cannot_read(ops) -> None:  # type: ignore[no-untyped-def]
@@ -322,4 +342,5 @@ def test_a_native_build_leaves_amx_out(tmp_path: Path, monkeypatch) -> None:  # 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: seen.append(kw["extra_cflags"]))
     kernels.build()
     if "-march=native" in seen[0]:
-        assert set(kernels.AMX_OFF) <= set(seen[0])  # this machine's compiler knows AMX (gcc 11 and later)
+        assert kernels._no_amx_flags() == list(kernels.AMX_OFF)  # this machine's compiler knows AMX (gcc 11+)
+        assert set(kernels.AMX_OFF) <= set(seen[0])

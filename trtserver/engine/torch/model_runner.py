@@ -56,7 +56,7 @@ class ModelRunner:
         """``small_batch``: decode batches of up to this many rows take the small-batch kernels
         (``SMALL_BATCH``: float32 attention, quantized projections); 0 = never.
 
-        ``threads`` (CPU): torch threads for forwards of up to ``SMALL_BATCH`` rows (decode GEMVs,
+        ``threads`` (CPU): torch threads for forwards of up to ``small_batch`` rows (else ``SMALL_BATCH``: decode GEMVs,
         bound by reading weights: a second thread's hand-over costs more than it brings) and for
         larger ones (prefill, big decode batches: their GEMMs are compute-bound and scale with the
         cores); None = leave torch's setting alone.
@@ -131,7 +131,7 @@ class ModelRunner:
 
     def use_threads(self, rows: int) -> None:
         if self.threads is not None:
-            n = self.threads[rows > SMALL_BATCH]
+            n = self.threads[rows > (self.small_batch or SMALL_BATCH)]
             if n != self._threads_now:  # set only on a change; the setting stays for the sampler too
                 torch.set_num_threads(n)
                 self._threads_now = n

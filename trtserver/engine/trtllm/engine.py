@@ -141,6 +141,10 @@ class TrtllmEngine(EngineBase):
     def info(self) -> EngineInfo:
         return self._engine_info
 
+    @info.setter
+    def info(self, value: EngineInfo) -> None:
+        self.__dict__["_engine_info"] = value  # where the cached property keeps it
+
     @cached_property
     def _engine_info(self) -> EngineInfo:  # on first use: it reads the engine's files
         return self._make_info()

@@ -435,10 +435,14 @@ Tensor int4_linear(const Tensor& x, const Tensor& packed, const Tensor& scales_m
         largest = std::max(largest, std::fabs(xb[j]));
       }
       block_sums[r * G + g] = sum;
-      const float scale = largest / 32767.f;
-      block_scales[r * G + g] = scale;
-      const float inverse = scale > 0.f ? 1.f / scale : 0.f;
-      for (int64_t j = 0; j < 32; ++j) quantized[r * K + g * 32 + j] = static_cast<int16_t>(std::lrintf(xb[j] * inverse));
+      // a block below 1e-30 (or NaN) contributes its min term only: 32767 / largest would overflow
+      const bool scaled = largest > 1e-30f;
+      block_scales[r * G + g] = scaled ? largest / 32767.f : 0.f;
+      const float inverse = scaled ? 32767.f / largest : 0.f;
+      for (int64_t j = 0; j < 32; ++j) {
+        const float q = std::min(32767.f, std::max(-32767.f, std::nearbyint(xb[j] * inverse)));
+        quantized[r * K + g * 32 + j] = static_cast<int16_t>(q);
+      }
     }
   }
   Tensor y = at::empty({rows, N}, x.options().dtype(at::kFloat));

@@ -309,7 +309,8 @@ def build(model: Transformer, *, fused: bool = True) -> ScriptedDecode | None:
     # the kernels were loaded when the weights took their layout
     int4_kernel = int4 and all(getattr(p, "kernel_layout", False) for p in projections)
     dtype = model.tok_embeddings.weight.dtype
-    if fused and (quantized or packed) and dtype in (torch.bfloat16, torch.float32):
+    # float32 batches keep the ATen calls (below): an unquantized float32 model has no use for the kernels
+    if fused and dtype in (torch.bfloat16, torch.float32) and (quantized or (packed and dtype == torch.bfloat16)):
         from trtserver.engine.torch.cpu import kernels
 
         fused = kernels.load()
