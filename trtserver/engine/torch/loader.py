@@ -209,7 +209,7 @@ def _cpu_has_bf16() -> bool:
 
 
 def int4_kernel_wins() -> bool:
-    """Where ``kernels.cpp``'s int4 beats ATen's: x86-64 with AVX2 and FMA but no AVX-512. With AVX-512,
+    """Where ``int4.cpp``'s int4 beats ATen's: x86-64 with AVX2 and FMA but no AVX-512. With AVX-512,
     ATen's kernel has code of its own that ours did not beat; elsewhere it is unmeasured."""
     flags = _cpu_flags()
     return {"avx2", "fma"} <= flags and "avx512f" not in flags

@@ -1,4 +1,5 @@
-"""Fused CPU kernels for the decode (``kernels.cpp``), built on this machine on first use.
+"""Fused CPU kernels for the decode (``kernels.cpp``; the int4 projection, ``int4.cpp``), built on this machine on
+first use.
 
 ``torch.utils.cpp_extension`` compiles them once with the system's C++ compiler and ninja into
 ``TORCH_EXTENSIONS_DIR`` (by default ``~/.cache/torch_extensions``), under a name that digests the source,
@@ -28,7 +29,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.cpp", "int4.cpp"))
+HEADERS = (Path(__file__).with_name("checks.h"),)
 OPS = ("rms_norm", "rope_cache", "decode_attention", "int4_linear")
 BUILD_TIMEOUT_S = 300.0
 STALE_LOCK_S = 900.0  # a build lock older than this was left by a build that died
@@ -51,7 +53,8 @@ def build_target() -> tuple[str, list[str]]:
     flags = ["-O3", "-fopenmp-simd", "-ffp-contract=off"]  # no fused multiply-adds the eager ops would round apart
     if sys.platform.startswith("linux") and torch.backends.openmp.is_available():
         flags.append("-fopenmp")  # at::parallel_for (the attention over long contexts) runs on one thread without it
-    key = [SOURCE.read_bytes(), torch.__version__.encode(), str(torch.compiled_with_cxx11_abi()).encode()]
+    key = [*(path.read_bytes() for path in (*SOURCES, *HEADERS)), torch.__version__.encode(),
+           str(torch.compiled_with_cxx11_abi()).encode()]
     cpuinfo = Path("/proc/cpuinfo")
     if platform.machine() in ("x86_64", "AMD64") and cpuinfo.exists():
         lines = [line for line in cpuinfo.read_text(errors="replace").splitlines()
@@ -107,9 +110,9 @@ def build(*, verbose: bool = False) -> Path:
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
         lock.unlink(missing_ok=True)
     _ninja_on_path()
-    compile_and_load(name=name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(directory),
-                     extra_ldflags=[flag for flag in flags if flag == "-fopenmp"], is_python_module=False,
-                     verbose=verbose)
+    compile_and_load(name=name, sources=[str(path) for path in SOURCES], extra_cflags=flags,
+                     build_directory=str(directory), extra_ldflags=[flag for flag in flags if flag == "-fopenmp"],
+                     is_python_module=False, verbose=verbose)
     return directory / f"{name}.so"
 
 

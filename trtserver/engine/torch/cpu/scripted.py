@@ -60,7 +60,7 @@ def _quantized(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, i
 
 def _fused_quantized(x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, int4: bool,
                      int4_kernel: bool) -> Tensor:
-    """``_quantized``, or where the int4 weights are in ``kernels.cpp``'s layout its ``int4_linear``."""
+    """``_quantized``, or where the int4 weights are in ``int4.cpp``'s layout its ``int4_linear``."""
     if not int4_kernel:
         return _quantized(x, weight, scales, bias, int4)
     y = torch.ops.trtserver.int4_linear(x, weight, scales)

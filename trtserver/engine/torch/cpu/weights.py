@@ -73,7 +73,7 @@ class Int4Linear(nn.Module):
     GROUP = 32
 
     def __init__(self, linear: nn.Linear, kernels: KernelSwitch, *, kernel_layout: bool = False) -> None:
-        """``kernel_layout``: the weights in the layout of ``kernels.cpp``'s ``int4_linear`` (loaded), which
+        """``kernel_layout``: the weights in the layout of ``int4.cpp``'s ``int4_linear`` (loaded), which
         reads the activations at 16 bits; else in ATen's, whose kernel takes them in bfloat16."""
         super().__init__()
         self.kernels = kernels
