@@ -5,6 +5,7 @@ llama-cpp-python's server, and llama.cpp in process.
     python -m bench.harness --quick         # fewer requests per scenario (~6 min)
     python -m bench.harness --peers llama-server --no-inproc   # ours against llama-server only
     python -m bench.harness --ours-only --no-inproc   # ours alone (nothing to build or install)
+    python -m bench.harness --with-64-streams --scenarios "64 streams" --peers llama-server --no-inproc
     python -m bench.harness --device cuda   # GPU: ours only, 1/16/64 streams, batch-1 memory-bandwidth roofline
 
 Request mix (temperature 0, 128 tokens each): one stream with a short and with a ~230-token prompt, then 4 and 16
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ours-only", action="store_true", help="skip the llama.cpp peers")
     ap.add_argument("--peers", type=peer_list, default=list(peers.PEERS), metavar="NAME,...",
                     help=f"the peers each scenario also runs on, in this order (default: {','.join(peers.PEERS)})")
+    ap.add_argument("--with-64-streams", action="store_true",
+                    help="CPU: add 64 concurrent streams (ours with --max-batch-size 64, llama-server with -np 64)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: ours only, 1/16/64 streams, roofline")
     ap.add_argument("--peak-bw-gbs", type=float, default=None,
                     help="GPU peak memory bandwidth in GB/s (default: by GPU name, e.g. H200 = 4800)")
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ours_extra = args.ours_args.split()
     if args.ours_dtype != "auto":
         ours_extra += ["--dtype", args.ours_dtype]
-    if gpu:
+    if gpu or args.with_64_streams:
         ours_extra += ["--max-batch-size", "64"]
     ours = ServerRun("ours")
     server = peers.ours(engine_dir, peers.free_port(), device=args.device, extra=ours_extra)

@@ -37,6 +37,8 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
     out = [Scenario("1 stream, short prompt", SHORT, 1, 2 if q else 4),
            Scenario("1 stream, ~230-token prompt", LONG, 1, 1 if q else 3)]
     out += [Scenario("4 streams", SHORT, 4, 1 if q else 2), Scenario("16 streams", SHORT, 16, 1 if q else 2)]
+    if getattr(args, "with_64_streams", False):
+        out.append(Scenario("64 streams", SHORT, 64, 1))
     out += [Scenario("prefill, ~930-token unique prompt", DOCUMENT, 1, 2 if q else 3, tokens=8),
             Scenario("prefill, ~930-token shared prefix", DOCUMENT, 1, 3 if q else 5, tokens=8, shared_prefix=True)]
     return [sc for sc in out if not args.scenarios or any(part in sc.name for part in args.scenarios)]
