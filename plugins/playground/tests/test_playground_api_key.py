@@ -42,7 +42,7 @@ def test_401_message_then_works_with_the_key(page: Page) -> None:
     assert "needs-key" not in (page.el("api-key").get_attribute("class") or "")
     page.screenshot("10-api-key-given")
 
-    # kept for the tab's session: a reload still has it
+    # kept while the tab stays open: a reload still has it
     assert page.js("return sessionStorage.getItem('trtserver-playground-api-key')") == KEY
     page.open()
     page.wait(lambda d: page.text("model-id") == MODEL, 10)
