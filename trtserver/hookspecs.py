@@ -65,8 +65,8 @@ def trtserver_register_engines(register: Callable[[str, Callable[[ServerConfig],
     Subclass ``trtserver.engine.base.EngineBase`` for the members most engines need not change:
     ``check(request)`` lists ``(param, reason)`` pairs the engine must refuse for a request (the
     client gets a 400 naming the first), ``failure`` says why the engine can no longer serve, and
-    ``threads_bound`` whether it pinned its threads; ``info`` and ``tokenizer`` hold what the engine
-    sets them to in ``__init__``. Both APIs reach the engine the same way:
+    ``threads_bound`` whether it pinned its threads; the engine sets ``info`` and ``tokenizer`` in
+    ``__init__``. Both APIs reach the engine the same way:
     a chat request is rendered and tokenized by the server, so an engine sees only token ids.
     """
 

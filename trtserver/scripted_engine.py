@@ -176,13 +176,13 @@ class ScriptedEngine(EngineBase):
         self.config = config
         self.script = script
         self.step_delay_s = step_delay_s
-        self._tokenizer = Tokenizer.from_dir(config.engine_path)
+        self.tokenizer = Tokenizer.from_dir(config.engine_path)
         context = min(CONTEXT_LENGTH, config.max_model_len or CONTEXT_LENGTH)
-        self._info = EngineInfo(
-            model_name=MODEL_NAME, context_length=context, vocab_size=self._tokenizer.vocab_size,
-            eos_token_ids=self._tokenizer.eos_token_ids,
+        self.info = EngineInfo(
+            model_name=MODEL_NAME, context_length=context, vocab_size=self.tokenizer.vocab_size,
+            eos_token_ids=self.tokenizer.eos_token_ids,
             capabilities=Capabilities(beam_search=False, adapters=False, max_logprobs=20),
-            fingerprint_inputs={"engine": ENGINE_NAME, "vocab_size": self._tokenizer.vocab_size},
+            fingerprint_inputs={"engine": ENGINE_NAME, "vocab_size": self.tokenizer.vocab_size},
             backend=ENGINE_NAME,
         )
         self._aborted: dict[str, set[int] | None] = {}  # request id -> indexes (None: all)
@@ -233,9 +233,9 @@ class ScriptedEngine(EngineBase):
             self._aborted.pop(request.request_id, None)
 
     def _sequence(self, request: GenerationRequest, index: int) -> _Sequence:
-        answer = self.script(ScriptCall(list(request.prompt_token_ids), request.sampling, index, self._tokenizer))
+        answer = self.script(ScriptCall(list(request.prompt_token_ids), request.sampling, index, self.tokenizer))
         if isinstance(answer, str):
-            answer = [*self._tokenizer.encode(answer, add_special_tokens=False), self._tokenizer.eos_token_ids[0]]
+            answer = [*self.tokenizer.encode(answer, add_special_tokens=False), self.tokenizer.eos_token_ids[0]]
         return _Sequence(index, iter(answer), [factory() for factory in request.logits_processors],
                          request.guided.new_state() if request.guided is not None else None)
 
@@ -253,7 +253,7 @@ class ScriptedEngine(EngineBase):
             return self._finish(seq, delta, "abort")
         if p.max_tokens == 0:
             return self._finish(seq, delta, "length")
-        eos = () if p.ignore_eos else self._tokenizer.eos_token_ids
+        eos = () if p.ignore_eos else self.tokenizer.eos_token_ids
         ends = set(p.stop_token_ids) | set(eos)
         token = next(seq.script, None)
         while token is not None and token in ends and len(seq.output) < p.min_tokens:
@@ -280,7 +280,7 @@ class ScriptedEngine(EngineBase):
         if token in eos:
             return self._finish(seq, delta, "stop")
         if len(seq.output) >= p.max_tokens or len(request.prompt_token_ids) + len(seq.output) >= \
-                self._info.context_length:
+                self.info.context_length:
             return self._finish(seq, delta, "length")
         return delta
 
@@ -294,16 +294,16 @@ class ScriptedEngine(EngineBase):
         """The scripted token through the processors and the guide: the argmax of the row they leave."""
         import torch
 
-        row = torch.zeros(self._info.vocab_size, dtype=torch.float32)
+        row = torch.zeros(self.info.vocab_size, dtype=torch.float32)
         row[token] = 1.0
         for processor in seq.processors:
             processor(list(seq.output), row)
         if seq.constraint is not None:
-            row.masked_fill_(~_allowed(seq.constraint, self._info.vocab_size), float("-inf"))
+            row.masked_fill_(~_allowed(seq.constraint, self.info.vocab_size), float("-inf"))
         return int(torch.argmax(row).item())
 
     def _top(self, token: int, k: int) -> list[tuple[int, float]]:
-        vocab = self._info.vocab_size
+        vocab = self.info.vocab_size
         return [((token + i) % vocab, SCRIPTED_LOGPROB * (i + 1)) for i in range(min(k, vocab))]
 
     def _add_prompt_logprobs(self, request: GenerationRequest, delta: SequenceOutput) -> None:

@@ -220,26 +220,10 @@ class Engine(Protocol):
 
 class EngineBase:
     """Defaults for the ``Engine`` members most engines need not change; subclass it, and set ``info`` and
-    ``tokenizer`` (or ``_info`` and ``_tokenizer``) in ``__init__``."""
+    ``tokenizer`` in ``__init__``."""
 
-    _info: EngineInfo
-    _tokenizer: Tokenizer
-
-    @property
-    def info(self) -> EngineInfo:
-        return self._info
-
-    @info.setter
-    def info(self, value: EngineInfo) -> None:
-        self._info = value
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self._tokenizer
-
-    @tokenizer.setter
-    def tokenizer(self, value: Tokenizer) -> None:
-        self._tokenizer = value
+    info: EngineInfo
+    tokenizer: Tokenizer
 
     def check(self, request: GenerationRequest) -> list[tuple[str, str]]:
         return []

@@ -63,7 +63,7 @@ class TorchEngine(EngineBase):
             raise FileNotFoundError(f"{self.path}: no config.json; build the engine directory with `make engines`")
         self.model_config: dict[str, Any] = json.loads((self.path / "config.json").read_text())
         self.manifest: Manifest = load_manifest(self.path)
-        self._tokenizer = Tokenizer.from_dir(self.path)
+        self.tokenizer = Tokenizer.from_dir(self.path)
         self._quantize_asked = quantize
         self.device: torch.device | None = None  # these three are settled by _resolve()
         self.dtype: torch.dtype | None = None
@@ -77,11 +77,11 @@ class TorchEngine(EngineBase):
         self.lora: LoraManager | None = None
         if config.adapters_dir is not None:
             self.adapters = AdapterRegistry(config.adapters_dir, max_rank=config.max_lora_rank)
-        self._info = EngineInfo(
+        self.info = EngineInfo(
             model_name=config.served_model_name or self.manifest.served_model_name,
             context_length=self.max_model_len,
             vocab_size=int(self.model_config["vocab_size"]),
-            eos_token_ids=self._tokenizer.eos_token_ids,
+            eos_token_ids=self.tokenizer.eos_token_ids,
             capabilities=Capabilities(max_logprobs=max(20, config.max_logprobs),
                                       adapters=config.adapters_dir is not None,
                                       prefix_caching=config.prefix_cache),
@@ -109,7 +109,7 @@ class TorchEngine(EngineBase):
 
     def _settled(self, quantize: str | None) -> None:
         """What the fingerprint reports is the quantization that runs, not the one asked for."""
-        self._info = replace(self._info, fingerprint_inputs={**self._info.fingerprint_inputs,
+        self.info = replace(self.info, fingerprint_inputs={**self.info.fingerprint_inputs,
                                                              "quantization": quantize or "none"})
 
     @classmethod
@@ -127,7 +127,7 @@ class TorchEngine(EngineBase):
             from trtserver.engine.torch.transport.process import EngineProcess
 
             runner = EngineProcess(self.config, seed=self.seed, quantize=self._quantize_asked,
-                                   tokenizer=self._tokenizer)
+                                   tokenizer=self.tokenizer)
             await runner.start()
             assert runner.report is not None
             self.dtype_name = runner.report.dtype
@@ -152,7 +152,7 @@ class TorchEngine(EngineBase):
             self._resolve()
         assert self.device is not None
         loaded = load(self.path, self.config, Placement(self.device, self.dtype, self.quantize),
-                      eos_token_ids=self._info.eos_token_ids, max_len=self.max_model_len, seed=self.seed,
+                      eos_token_ids=self.info.eos_token_ids, max_len=self.max_model_len, seed=self.seed,
                       adapters=self.adapters)
         self.core, self.lora, self.dtype = loaded.core, loaded.lora, loaded.dtype
         self.dtype_name = str(loaded.dtype).removeprefix("torch.")

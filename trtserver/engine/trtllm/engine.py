@@ -101,7 +101,7 @@ class TrtllmEngine(EngineBase):
         self.engine_path = Path(config.engine_dir)
         self.manifest: Manifest = load_manifest(self.engine_path)
         tokenizer_dir = (self.engine_path / self.manifest.tokenizer).parent
-        self._tokenizer = Tokenizer.from_dir(tokenizer_dir)
+        self.tokenizer = Tokenizer.from_dir(tokenizer_dir)
         self.tokenizer_dir = tokenizer_dir
         self.trt_engine_dir: Path | None = None
         build = BuildFacts()
@@ -252,11 +252,11 @@ class TrtllmEngine(EngineBase):
 
     def _make_info(self) -> EngineInfo:
         f = self.features
-        eos = self._tokenizer.eos_token_ids
+        eos = self.tokenizer.eos_token_ids
         context = self.manifest.context_length
         if f.build.max_seq_len:
             context = min(context, f.build.max_seq_len)
-        vocab = self.model_vocab_size or self._tokenizer.vocab_size
+        vocab = self.model_vocab_size or self.tokenizer.vocab_size
         beam = f.max_beam_width > 1 and (
             "use_beam_search" in f.sampling_fields or "beam_width" in f.sampling_fields)
         if f.trt_backend:
@@ -327,7 +327,7 @@ class TrtllmEngine(EngineBase):
 
     def _sampling_params(self, request: GenerationRequest) -> tuple[Any, Any]:
         f = self.features
-        eos = self._tokenizer.eos_token_ids
+        eos = self.tokenizer.eos_token_ids
         prep = prepare(request, f, eos_ids=eos)
         kw = prep.kwargs
         guided = guided_kwargs(request, f)
@@ -395,7 +395,7 @@ class TrtllmEngine(EngineBase):
         extra = generate_kwargs(request, self.features)
         if request.adapter is not None:
             extra["lora_request"] = self._lora_request(request.adapter)
-        translator = StreamTranslator(request, eos_ids=self._tokenizer.eos_token_ids,
+        translator = StreamTranslator(request, eos_ids=self.tokenizer.eos_token_ids,
                                       our_stop_ids=prep.our_stop_ids, max_tokens=prep.max_tokens,
                                       has_finish_reason=self.features.finish_reason,
                                       vocab_size=self.model_vocab_size, logits_logprobs=prep.logits_logprobs,
