@@ -56,7 +56,7 @@ class ModelRunner:
         """``small_batch``: decode batches of up to this many rows take the small-batch kernels
         (``SMALL_BATCH``: float32 attention, quantized projections); 0 = never.
 
-        ``threads`` (CPU): torch threads for forwards of up to ``small_batch`` rows (else ``SMALL_BATCH``: decode GEMVs,
+        ``threads`` (CPU): torch threads for forwards of up to ``small_batch`` rows, or ``SMALL_BATCH`` (decode GEMVs,
         bound by reading weights: a second thread's hand-over costs more than it brings) and for
         larger ones (prefill, big decode batches: their GEMMs are compute-bound and scale with the
         cores); None = leave torch's setting alone.

@@ -23,6 +23,10 @@ using at::BFloat16;
 using at::Tensor;
 using trtserver_kernels::check_activation;
 
+// The body with scalar_t bound to the activations' type, bfloat16 or float32 (check_activation refuses the rest).
+#define ACTIVATIONS(type, name, ...) \
+  AT_DISPATCH_SWITCH(type, name, AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__))
+
 namespace {
 
 inline float f(BFloat16 v) {  // exact: bfloat16 is the top half of a float32, and the shift vectorizes
@@ -143,13 +147,10 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   const int64_t n = x.size(-1), rows = x.numel() / n;
   TORCH_CHECK(weight.numel() == n, "rms_norm: weight has ", weight.numel(), " elements, rows have ", n);
   Tensor out = at::empty_like(x);
-  if (type == at::kBFloat16) {
-    rms_norm_rows(x.const_data_ptr<BFloat16>(), weight.const_data_ptr<BFloat16>(), out.mutable_data_ptr<BFloat16>(),
+  ACTIVATIONS(type, "rms_norm", [&] {
+    rms_norm_rows(x.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
                   rows, n, static_cast<float>(eps));
-  } else {
-    rms_norm_rows(x.const_data_ptr<float>(), weight.const_data_ptr<float>(), out.mutable_data_ptr<float>(), rows, n,
-                  static_cast<float>(eps));
-  }
+  });
   return out;
 }
 
@@ -203,15 +204,11 @@ Tensor rope_cache(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const
                 " points outside the cache");
   }
   Tensor q = at::empty({B, nh, hs}, qkv.options());
-  if (type == at::kBFloat16) {
-    rope_cache_rows(qkv.const_data_ptr<BFloat16>(), cos.const_data_ptr<BFloat16>(), sin.const_data_ptr<BFloat16>(),
-                    q.mutable_data_ptr<BFloat16>(), k_cache.mutable_data_ptr<BFloat16>(),
-                    v_cache.mutable_data_ptr<BFloat16>(), sp, pp, B, qkv.size(1), nh, nkv, hs, P);
-  } else {
-    rope_cache_rows(qkv.const_data_ptr<float>(), cos.const_data_ptr<float>(), sin.const_data_ptr<float>(),
-                    q.mutable_data_ptr<float>(), k_cache.mutable_data_ptr<float>(), v_cache.mutable_data_ptr<float>(),
-                    sp, pp, B, qkv.size(1), nh, nkv, hs, P);
-  }
+  ACTIVATIONS(type, "rope_cache", [&] {
+    rope_cache_rows(qkv.const_data_ptr<scalar_t>(), cos.const_data_ptr<scalar_t>(), sin.const_data_ptr<scalar_t>(),
+                    q.mutable_data_ptr<scalar_t>(), k_cache.mutable_data_ptr<scalar_t>(),
+                    v_cache.mutable_data_ptr<scalar_t>(), sp, pp, B, qkv.size(1), nh, nkv, hs, P);
+  });
   return q;
 }
 
@@ -327,14 +324,11 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
     longest = std::max(longest, pp[b] + 1);
   }
   Tensor out = at::empty({B, nh * hs}, q.options());
-  if (type == at::kBFloat16) {
-    decode_attention_rows(q.const_data_ptr<BFloat16>(), k_cache.const_data_ptr<BFloat16>(),
-                          v_cache.const_data_ptr<BFloat16>(), out.mutable_data_ptr<BFloat16>(), sp, pp, B, nh, nkv, hs,
+  ACTIVATIONS(type, "decode_attention", [&] {
+    decode_attention_rows(q.const_data_ptr<scalar_t>(), k_cache.const_data_ptr<scalar_t>(),
+                          v_cache.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), sp, pp, B, nh, nkv, hs,
                           P, longest);
-  } else {
-    decode_attention_rows(q.const_data_ptr<float>(), k_cache.const_data_ptr<float>(), v_cache.const_data_ptr<float>(),
-                          out.mutable_data_ptr<float>(), sp, pp, B, nh, nkv, hs, P, longest);
-  }
+  });
   return out;
 }
 

@@ -33,6 +33,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.cpp", "int4
 HEADERS = (Path(__file__).with_name("checks.h"),)
 OPS = ("rms_norm", "rope_cache", "decode_attention", "int4_linear")
 BUILD_TIMEOUT_S = 300.0
+AMX_OFF = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")  # where the compiler knows them (_no_amx_flags)
 STALE_LOCK_S = 900.0  # a build lock older than this was left by a build that died
 MODULE = "trtserver.engine.torch.cpu.kernels"  # the child that builds them
 
@@ -63,9 +64,6 @@ def build_target() -> tuple[str, list[str]]:
         flags.append("-march=native")
     key.append(" ".join([*flags, *AMX_OFF]).encode())
     return f"trtserver_kernels_{hashlib.sha1(b'|'.join(key)).hexdigest()[:12]}", flags
-
-
-AMX_OFF = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
 
 
 def _no_amx_flags() -> list[str]:

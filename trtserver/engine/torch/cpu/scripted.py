@@ -309,19 +309,20 @@ def build(model: Transformer, *, fused: bool = True) -> ScriptedDecode | None:
     # the kernels were loaded when the weights took their layout
     int4_kernel = int4 and all(getattr(p, "kernel_layout", False) for p in projections)
     dtype = model.tok_embeddings.weight.dtype
-    # float32 batches keep the ATen calls (below): an unquantized float32 model has no use for the kernels
-    if fused and dtype in (torch.bfloat16, torch.float32) and (quantized or (packed and dtype == torch.bfloat16)):
+    fuse_small = quantized and dtype in (torch.bfloat16, torch.float32)
+    # float32 batches keep the ATen calls: the fused RMSNorm and RoPE bring them nothing measurable
+    fuse_batch = packed and dtype == torch.bfloat16
+    if fused and (fuse_small or fuse_batch):
         from trtserver.engine.torch.cpu import kernels
 
         fused = kernels.load()
     else:
         fused = False
-    small = _script(_fused_decode) if fused and quantized else None
+    small = _script(_fused_decode) if fused and fuse_small else None
     fused_small = small is not None
     if quantized and small is None and not int4_kernel:  # the ATen calls cannot read the kernels' int4 layout
         small = _script(_small_decode)
-    # float32 batches keep the ATen calls: the fused RMSNorm and RoPE bring them nothing measurable
-    batch = _script(_fused_batch_decode) if fused and packed and dtype == torch.bfloat16 else None
+    batch = _script(_fused_batch_decode) if fused and fuse_batch else None
     fused_batch = batch is not None
     if packed and batch is None:
         batch = _script(_batch_decode)

@@ -171,7 +171,7 @@ def quantize_weights(model: Transformer, kind: str, *, int4_kernel: bool = False
     """Give every projection (and, for int4, the output head) a weight-only int8 / int4 copy for
     decode (CPU, bfloat16 only). int8 leaves the output head in bfloat16: on the head's matrix the
     int8 kernel is no faster than the pre-packed bf16 GEMM. ``int4_kernel``: int4 in the layout of the
-    loaded ``kernels.cpp`` (``Int4Linear``). Returns the projections' shared switch (``kernel_switch``
+    loaded ``int4.cpp`` (``Int4Linear``). Returns the projections' shared switch (``kernel_switch``
     finds it again)."""
     weight = model.tok_embeddings.weight
     dtypes = (torch.bfloat16, torch.float32) if kind == "int4" else (torch.bfloat16,)
