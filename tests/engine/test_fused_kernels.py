@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tests.engine.test_model_families import make_checkpoint
-from tests.engine.test_scripted_decode import MAX_LEN, _run_both
+from tests.engine.test_scripted_decode import MAX_LEN, _both_ways, _filled_cache, _run_both, _runner
 from tests.support import NEEDS_BF16_PACKING
 from trtserver.engine.torch.cache import KVCache
 from trtserver.engine.torch.cpu import accelerate, kernels
@@ -194,16 +194,16 @@ def test_int4_kernel_layout_holds_the_weights_atens_layout_holds(ops) -> None:  
         assert (got - exact).norm() < 0.1 * exact.norm()  # and near the float32 weights (16 levels a block)
 
 
-def test_the_kernels_int4_layout_without_the_fused_kernels_runs_the_eager_layers(smol_dir: Path, ops) -> None:  # type: ignore[no-untyped-def]
-    """The ATen-call decode cannot read the kernels' int4 layout: small batches then take the eager layers, whose
-    projections call ``int4_linear`` themselves."""
+def test_the_kernels_int4_layout_without_the_fused_kernels_scripts_the_aten_calls(smol_dir: Path, ops) -> None:  # type: ignore[no-untyped-def]
+    """Without the fused kernels the scripted decode composes the ATen-call layers with the projections'
+    own ``int4_linear``: the eager layers' bits. The fused decode on the same weights stays close to them."""
     model = load_model(smol_dir, torch.float32, torch.device("cpu"))
     quantize_weights(model, "int4", int4_kernel=True)
     model.setup_rope(MAX_LEN)
     decode = accelerate(model, fused=False)
-    assert decode is not None and not decode.covers(True) and decode.covers(False)
-    fused = accelerate(model)
-    want, got, _, _ = _run_both(model, fused, [0, 2], [9, 30], small=True)  # the eager layers against the fused
+    assert decode is not None and decode.covers(True) and not decode.fused_small
+    _both_ways(model, decode, [0, 2], [9, 30], small=True)
+    want, got, _, _ = _run_both(model, accelerate(model), [0, 2], [9, 30], small=True)
     _close(got, want)
 
 
@@ -344,3 +344,25 @@ def test_a_native_build_leaves_amx_out(tmp_path: Path, monkeypatch) -> None:  # 
     if "-march=native" in seen[0]:
         assert kernels._no_amx_flags() == list(kernels.AMX_OFF)  # this machine's compiler knows AMX (gcc 11+)
         assert set(kernels.AMX_OFF) <= set(seen[0])
+
+
+@pytest.mark.parametrize(("slots", "positions"), CASES)
+def test_the_bfloat16_batch_layers_composed_in_float32_follow_the_eager_batch_path(
+        smol_dir: Path, ops, slots: list[int], positions: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """The batch path a bfloat16 server scripts (fused RMSNorm and RoPE / K/V write, the bmm reading the dense
+    buffers where the slots are consecutive), composed on float32 weights, which every x86-64 CPU packs."""
+    from trtserver.engine.torch.cpu.scripted import PathKind, _path
+
+    model = load_model(smol_dir, torch.float32, torch.device("cpu"))
+    pack_for_cpu(model)
+    model.setup_rope(MAX_LEN)
+    decode = ScriptedDecode(model, None, _path(model, PathKind("packed", "bmm", fused=True)))
+    assert decode.fused_batch
+    tokens = torch.tensor([[7 + 3 * i] for i in range(len(slots))])
+    eager_cache, fused_cache = _filled_cache(model), _filled_cache(model)
+    eager, fused = _runner(model, eager_cache, None), _runner(model, fused_cache, decode)
+    fused.dense = (torch.full((1 << 18,), float("nan")), torch.full((1 << 18,), float("nan")))
+    with torch.inference_mode():
+        want = eager.forward(tokens, eager.decode_context(slots, positions, small=False))
+        got = fused.forward(tokens, fused.decode_context(slots, positions, small=False))
+    _agree(model, slots, positions, want, got, eager_cache, fused_cache)

@@ -121,8 +121,7 @@ def test_prefill_and_adapter_batches_keep_the_eager_layers(smol_int4: tuple[Tran
         raise AssertionError("the scripted decode ran")
 
     model, decode = smol_int4
-    monkeypatch.setattr(decode, "_small", refuse)
-    monkeypatch.setattr(decode, "_batch", refuse)
+    monkeypatch.setattr(ScriptedDecode, "__call__", refuse)
     cache = _filled_cache(model)
     runner = _runner(model, cache, decode)
     with torch.inference_mode():
@@ -168,7 +167,7 @@ def test_no_torchscript_leaves_the_eager_layers(tmp_path: Path, monkeypatch, cap
 def test_scattered_slots_gather_only_their_live_positions() -> None:
     """A decode batch on non-consecutive slots reads each slot's first ``length`` positions: gathering
     whole slots first read the full context of every row, every layer (gigabytes at 8k positions)."""
-    from trtserver.engine.torch.cpu.scripted import _live
+    from trtserver.engine.torch.cpu.decode_layers import _live
 
     def rss_mib() -> float:
         status = Path("/proc/self/status").read_text()

@@ -7,7 +7,7 @@ before each forward); each keeps a pre-packed bfloat16 copy for prefill and larg
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
+from typing import Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -22,6 +22,39 @@ class KernelSwitch:
 
     small: bool = False
 
+# ---- the projections' computations, one function each (the eager modules' and the scripted decode's) ----
+
+_NO_SCALARS = list[Union[int, float, complex] | None]  # noqa: UP007 - how TorchScript spells Scalar?[]
+
+
+def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    none: _NO_SCALARS = []
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", none, "")
+
+
+def int4_kernel_linear(x: Tensor, packed: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
+    """(rows, K), contiguous, through ``int4.cpp``'s ``int4_linear`` (its layout of the weights)."""
+    y = torch.ops.trtserver.int4_linear(x, packed, scales)
+    return y if bias is None else y + bias
+
+
+def aten_int4_linear(x: Tensor, packed: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
+    """(rows, K) through ATen's int4 kernel, which takes bfloat16 activations: a float32 model's are rounded
+    for it, its output widened."""
+    y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, 32, scales).to(x.dtype)
+    return y if bias is None else y + bias
+
+
+def int8_linear(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+    """(rows, K) through ``aten._weight_int8pack_mm``."""
+    y = torch.ops.aten._weight_int8pack_mm(x, q, scale)
+    return y if bias is None else y + bias
+
+
+def _as_rows(x: Tensor) -> Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
 # ---- CPU: oneDNN's pre-packed weights ------------------------------------------------------------
 
 class PackedLinear(nn.Module):
@@ -35,7 +68,7 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return packed_linear(x, self.packed, self.bias)
 
 
 def can_pack_for_cpu(dtype: torch.dtype = torch.float32) -> bool:
@@ -102,15 +135,8 @@ class Int4Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.kernels.small:
             return self.dense.forward(x)
-        rows = x.numel() // x.shape[-1]
-        flat = x.reshape(rows, x.shape[-1])
-        if self.kernel_layout:
-            y = torch.ops.trtserver.int4_linear(flat.contiguous(), self.packed, self.scales)
-        else:  # ATen's kernel takes bfloat16 activations: a float32 model's are rounded for it, its output widened
-            y = torch._weight_int4pack_mm_for_cpu(flat.to(torch.bfloat16), self.packed, self.GROUP,
-                                                  self.scales).to(x.dtype)
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        linear = int4_kernel_linear if self.kernel_layout else aten_int4_linear
+        return linear(_as_rows(x), self.packed, self.scales, self.bias).view(*x.shape[:-1], self.out_features)
 
 
 class Int4Head(Int4Linear):
@@ -161,10 +187,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.kernels.small:
             return self.dense.forward(x)
-        rows = x.numel() // x.shape[-1]
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, x.shape[-1]), self.q, self.scale)
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return int8_linear(_as_rows(x), self.q, self.scale, self.bias).view(*x.shape[:-1], self.out_features)
 
 
 def quantize_weights(model: Transformer, kind: str, *, int4_kernel: bool = False) -> KernelSwitch:
