@@ -205,3 +205,25 @@ def test_a_nearly_cached_prompt_does_not_narrow_the_others_chunks() -> None:
     s.add(request_group("short", [7] * 10))
     assert run_step(s)[1] == [("long", 0, 96)]  # the budget's width; the next prompt waits a step
     assert run_step(s)[1] == [("long", 96, 100), ("short", 0, 10)]
+
+
+def test_the_next_copy_target_is_the_slot_a_copy_would_take_as_far_as_one_could_reach() -> None:
+    s = Scheduler(num_slots=2, chunk_size=64, prefix_cache=True)
+    assert s.next_copy_target() is None  # nothing computed yet: no copy could come
+    doc = list(range(100, 140))
+    s.add(request_group("a", doc + [1, 2]))
+    step = s.schedule()  # admitted into slot 0, its 42-token prompt being computed
+    assert s.next_copy_target() == (1, 42)
+    s.prefilled(step.prefill[0])  # computed: decoding now
+    for seq in s.running:
+        seq.output_ids, seq.num_cached = [7] * 8, 50
+    assert s.next_copy_target() == (1, 50)
+    finish_all(s)  # slot 0 is an entry of 50 tokens
+    s.add(request_group("b", doc + [9]))
+    copies, _ = run_step(s)
+    assert copies == [(0, s.groups["b"].prefill_slot, 40)] == [(0, 1, 40)]  # where the target said
+    assert s.next_copy_target() == (0, 50)  # no empty slot left: the least recently used entry's
+    s.add(request_group("c", [5, 6, 7]))
+    run_step(s)
+    assert s.next_copy_target() is None  # every running slot taken
+    assert Scheduler(num_slots=2, chunk_size=64).next_copy_target() is None  # no prefix cache, no copies

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 
 import torch
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching their contents
 
 
 class KVCache:
@@ -34,6 +37,28 @@ class KVCache:
         self.max_len = max_len
         self.scratch_slot = num_slots
         self.scratch_pos = max_len
+        self.populated = [0] * num_slots  # positions of each slot that ``populate`` has faulted in
+        self._can_populate = on_cpu
+
+    def populate(self, slot: int, length: int) -> None:
+        """Fault in the pages of ``slot``'s first ``length`` positions in every layer, leaving their contents
+        as they are: on the CPU a first write to this memory costs microseconds a page, which a copy of a
+        cached prefix into a fresh slot would otherwise pay while a request waits. Releases the GIL; a no-op
+        off the CPU and on kernels without ``MADV_POPULATE_WRITE``."""
+        if not self._can_populate or length <= self.populated[slot]:
+            return
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        page = mmap.PAGESIZE
+        for cache in (*self.k, *self.v):
+            for head in cache[slot]:  # (positions, head_dim): contiguous
+                start = head.data_ptr()
+                end = start + min(length, head.shape[0]) * head.stride(0) * head.element_size()
+                aligned = start - start % page
+                if madvise(aligned, end - aligned, _MADV_POPULATE_WRITE) != 0:
+                    self._can_populate = False  # an older kernel: the first writes fault the pages in
+                    return
+        self.populated[slot] = max(self.populated[slot], length)
 
     def copy_slot(self, src: int, dsts: list[int], length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into each slot of ``dsts``."""

@@ -11,6 +11,7 @@ failure of the batch itself (the model's forward) fails every request of the ste
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
     from trtserver.engine.torch.lora import LoraManager
 
 log = logging.getLogger(__name__)
+
+POPULATE_GRANULE = 256  # positions: the populated prefix grows in steps this wide
 
 
 class EngineCore:
@@ -62,6 +65,7 @@ class EngineCore:
         self.current: list[Group] = []  # groups in the step under way (failed together on error)
         self._failures: list[tuple[str, BaseException]] = []  # requests failed alone in this step
         self.preparer: Preparer[Group] = Preparer()  # slow admissions, off the step loop
+        self._populating: threading.Thread | None = None  # KVCache.populate ahead of the next copied prefix
 
     @property
     def lora(self) -> LoraManager | None:
@@ -228,7 +232,24 @@ class EngineCore:
         if plan.decode:
             self._decode(plan.decode)
         self.current = []
+        if not plan.prefill:  # never beside a prefill: a first token is waiting on it
+            self._populate_ahead()
         return self.drain()
+
+    def _populate_ahead(self) -> None:
+        """Fault in, on a thread of its own, the slot the next cached prefix would be copied to, as far as such
+        a copy could reach (``KVCache.populate``), so that a new request's copy finds its pages there."""
+        if self.device.type != "cpu" or (self._populating is not None and self._populating.is_alive()):
+            return
+        target = self.scheduler.next_copy_target()
+        if target is None:
+            return
+        slot, length = target
+        length = min(-(-length // POPULATE_GRANULE) * POPULATE_GRANULE, self.max_len)  # a thread per granule
+        if length > self.cache.populated[slot]:
+            self._populating = threading.Thread(target=self.cache.populate, args=(slot, length), daemon=True,
+                                                name="trtserver-kv-populate")
+            self._populating.start()
 
     def _prefill(self, chunks: list[PrefillChunk]) -> None:
         hidden = self.model_runner.prefill(chunks)  # (B, T, dim)
@@ -414,4 +435,3 @@ class EngineCore:
             out.append(delta)
         self._dirty.clear()
         return out
-

@@ -115,6 +115,16 @@ class PrefixCache:
         else:
             heapq.heappush(self._empty, slot)
 
+    def next_target(self) -> int | None:
+        """The running slot a new request's copied prefix would be written to next: the lowest empty one,
+        else the least recently used entry's; None while every running slot is taken."""
+        if self._empty:
+            return self._empty[0]
+        return min(self.entries, key=lambda slot: self.entries[slot].used) if self.entries else None
+
+    def longest_entry(self) -> int:
+        return max((len(e.tokens) for e in itertools.chain(self.entries.values(), self.stash.values())), default=0)
+
     def clear(self) -> None:
         """Forget every entry (after a failed step, whose writes are unknown)."""
         for slot in self.entries:

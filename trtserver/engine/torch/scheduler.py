@@ -99,6 +99,17 @@ class Scheduler:
             heapq.heapify(self.waiting)
         return targets
 
+    def next_copy_target(self) -> tuple[int, int] | None:
+        """The slot the next cached prefix copied for a new request would be written to, and as many positions
+        as such a copy could need: the longest entry, running sequence or prompt being computed. None
+        without a prefix cache or a free slot."""
+        slot = self.prefix.next_target() if self.prefix.enabled else None
+        if slot is None:
+            return None
+        longest = max(self.prefix.longest_entry(), max((s.num_cached for s in self.running), default=0),
+                      max((g.prompt_len for g in self.prefilling), default=0))
+        return (slot, longest) if longest else None
+
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
         self._admit()
