@@ -18,7 +18,7 @@ types from the annotations' values.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -74,11 +74,10 @@ class DecodeLayers(nn.Module):
                      "n_kv_heads", "head_dim"]
     projections: list[list[tuple[Tensor, Tensor, Tensor | None]]]  # typed here: a model without biases has only None
 
-    def __init__(self, model: "Transformer", layers: "list[Block]", projections: list[tuple[nn.Module, ...]],
-                 kind: PathKind) -> None:
+    def __init__(self, model: "Transformer", projections: list[tuple[nn.Module, ...]], kind: PathKind) -> None:
         """``projections``: each layer's wqkv, wo, w13 and w2, bare (under any LoRA wrapping)."""
         super().__init__()
-        args = model.args
+        args, layers = model.args, cast("list[Block]", list(model.layers))
         self.fused = kind.fused
         self.int4_kernel, self.aten_int4, self.int8 = (kind.projection == k for k in ("int4_kernel", "aten_int4",
                                                                                         "int8"))

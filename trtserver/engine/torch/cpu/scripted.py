@@ -100,8 +100,7 @@ def _has_lora(model: Transformer) -> bool:
 
 
 def _path(model: Transformer, kind: PathKind) -> DecodePath | None:
-    blocks = _blocks(model)
-    layers = _script(DecodeLayers(model, blocks, [_projections(layer) for layer in blocks], kind))
+    layers = _script(DecodeLayers(model, [_projections(layer) for layer in _blocks(model)], kind))
     return None if layers is None else DecodePath(layers, kind)
 
 
