@@ -132,11 +132,13 @@ def test_the_attention_threads_where_torch_has_openmp(ops) -> None:  # type: ign
 
 def _int4_weights(n: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
     """Random 4-bit weights in the kernel's layout: (packed, scales_mins, the float32 weights they stand for)."""
+    from trtserver.engine.torch.cpu.weights import int4_kernel_layout
+
     g = torch.Generator().manual_seed(4)
     q = torch.randint(0, 16, (n, k // 32, 32), generator=g, dtype=torch.uint8)
     scale, low = torch.rand(n, k // 32, 1, generator=g) / 8, torch.randn(n, k // 32, 1, generator=g)
-    packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2).contiguous()
-    return packed, torch.cat([scale, low], -1).transpose(1, 2).contiguous(), (q.float() * scale + low).view(n, k)
+    packed, scales_mins = int4_kernel_layout(q, scale.squeeze(-1), low.squeeze(-1))
+    return packed, scales_mins, (q.float() * scale + low).view(n, k)
 
 
 def _relative_error(got: Tensor, want: Tensor) -> float:
@@ -163,15 +165,26 @@ def test_int4_linear_is_the_matmul_of_its_weights(ops, rows: int) -> None:  # ty
 
 
 def test_int4_linear_refuses_what_it_cannot_read(ops) -> None:  # type: ignore[no-untyped-def]
-    packed, scales_mins, _ = _int4_weights(8, 96)
+    packed, scales_mins, _ = _int4_weights(16, 96)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.int4_linear(torch.randn(1, 48), packed, scales_mins)
-    with pytest.raises(RuntimeError, match=r"uint8 \(N, K / 2\)"):
-        ops.int4_linear(torch.randn(1, 96), packed.view(8, 3, 16), scales_mins)
+    with pytest.raises(RuntimeError, match=r"uint8 \(N / 8, K / 32, 128\)"):
+        ops.int4_linear(torch.randn(1, 96), packed.view(16, 48), scales_mins)
     with pytest.raises(RuntimeError, match="scales_mins"):
-        ops.int4_linear(torch.randn(1, 96), packed, scales_mins[:4])
+        ops.int4_linear(torch.randn(1, 96), packed[:1].contiguous(), scales_mins)  # 8 features' weights, 16's scales
     with pytest.raises(RuntimeError, match="scales_mins"):
-        ops.int4_linear(torch.randn(1, 96), packed, scales_mins.transpose(1, 2).contiguous())  # (N, K / 32, 2)
+        ops.int4_linear(torch.randn(1, 96), packed, scales_mins.transpose(2, 3).contiguous())  # (N / 8, K / 32, 8, 2)
+
+
+def test_the_int4_kernels_layout_takes_output_features_in_eights() -> None:
+    from trtserver.engine.torch.cpu.weights import int4_kernel_layout
+
+    q, ones = torch.zeros(12, 3, 32, dtype=torch.uint8), torch.ones(12, 3)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        int4_kernel_layout(q, ones, ones)
+    packed, scales_mins = int4_kernel_layout(q[:8], ones[:8], ones[:8] * 2)
+    assert packed.shape == (1, 3, 128) and scales_mins.shape == (1, 3, 2, 8)
+    assert (scales_mins[:, :, 0] == 1).all() and (scales_mins[:, :, 1] == 2).all()
 
 
 def test_int4_kernel_layout_holds_the_weights_atens_layout_holds(ops) -> None:  # type: ignore[no-untyped-def]

@@ -119,11 +119,11 @@ def load(path: Path, config: ServerConfig, placement: Placement, *, eos_token_id
     int4_kernel = False
     if placement.quantize is not None:
         from trtserver.engine.torch.cpu import kernels
-        from trtserver.engine.torch.cpu.weights import quantize_weights
+        from trtserver.engine.torch.cpu.weights import fits_int4_kernel, quantize_weights
 
         # a LoRA server's base rows take the ATen calls, which read ATen's int4 layout
         int4_kernel = (placement.quantize == "int4" and device.type == "cpu" and adapters is None
-                       and int4_kernel_wins() and kernels.load())
+                       and fits_int4_kernel(model) and int4_kernel_wins() and kernels.load())
         quantize_weights(model, placement.quantize, int4_kernel=int4_kernel)
     elif device.type == "cpu":
         from trtserver.engine.torch.cpu.weights import can_pack_for_cpu, pack_for_cpu

@@ -24,6 +24,7 @@ class KernelSwitch:
 
 # ---- the projections' computations, one function each (the eager modules' and the scripted decode's) ----
 
+INT4_KERNEL_FEATURES = 8  # int4.cpp computes output features in groups of this many
 _NO_SCALARS = list[Union[int, float, complex] | None]  # noqa: UP007 - how TorchScript spells Scalar?[]
 
 
@@ -33,7 +34,7 @@ def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def int4_kernel_linear(x: Tensor, packed: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
-    """(rows, K), contiguous, through ``int4.cpp``'s ``int4_linear`` (its layout of the weights)."""
+    """(rows, K), contiguous, through ``int4.cpp``'s ``int4_linear`` (its layout: ``int4_kernel_layout``)."""
     y = torch.ops.trtserver.int4_linear(x, packed, scales)
     return y if bias is None else y + bias
 
@@ -49,6 +50,31 @@ def int8_linear(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None) -> Ten
     """(rows, K) through ``aten._weight_int8pack_mm``."""
     y = torch.ops.aten._weight_int8pack_mm(x, q, scale)
     return y if bias is None else y + bias
+
+
+def int4_kernel_layout(q: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, Tensor]:
+    """4-bit weights ``w[n, 32 b + j] = q[n, b, j] * scale[n, b] + low[n, b]`` (q: uint8 (N, K / 32, 32), values
+    0-15; N a multiple of 8) in ``int4.cpp``'s layout: output features in groups of 8, a group's block 8 chunks
+    of 16 bytes, chunk p's byte j holding for feature j // 2 the value at 2p + j % 2 in its low nibble and at
+    16 + 2p + j % 2 in its high one. Returns (packed uint8 (N / 8, K / 32, 128), scales_mins float32
+    (N / 8, K / 32, 2, 8): each block's 8 scales, then its 8 mins)."""
+    n, blocks, _ = q.shape
+    if n % INT4_KERNEL_FEATURES:
+        raise ValueError(f"the int4 kernel's layout needs output features in multiples of {INT4_KERNEL_FEATURES}")
+    groups = n // INT4_KERNEL_FEATURES
+    # (group, feature, block, half, p, e) -> (group, block, half, p, feature, e): k = 16 half + 2 p + e
+    chunks = q.view(groups, INT4_KERNEL_FEATURES, blocks, 2, 8, 2).permute(0, 2, 3, 4, 1, 5)
+    packed = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(groups, blocks, 128).contiguous()
+    per_group = torch.stack([t.float().view(groups, INT4_KERNEL_FEATURES, blocks) for t in (scale, low)], 2)
+    return packed, per_group.permute(0, 3, 2, 1).contiguous()
+
+
+def fits_int4_kernel(model: Transformer) -> bool:
+    """Whether every projection's (and the head's) output features come in ``int4.cpp``'s groups of 8."""
+    args = model.args
+    widths = ((args.n_heads + 2 * args.n_kv_heads) * args.head_dim, args.dim, 2 * args.intermediate_size,
+              args.vocab_size)
+    return all(width % INT4_KERNEL_FEATURES == 0 for width in widths)
 
 
 def _as_rows(x: Tensor) -> Tensor:
@@ -118,11 +144,8 @@ class Int4Linear(nn.Module):
         scale = ((hi - lo) / 15).clamp(min=1e-10)
         q = ((groups - lo) / scale).round().clamp(0, 15).to(torch.int32)  # (N, K / g, g)
         self.kernel_layout = kernel_layout
-        if kernel_layout:  # a block's 16 bytes: value j in the low nibble of byte j, value j + 16 in its high one
-            halves = q.to(torch.uint8).view(N, K // g, 2, g // 2)
-            self.packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
-            # (N, 2, K / g) float32, each row's scales then its mins: w = q * scale + min
-            self.scales = torch.stack([scale.view(N, K // g), lo.view(N, K // g)], 1).contiguous()
+        if kernel_layout:
+            self.packed, self.scales = int4_kernel_layout(q.to(torch.uint8), scale.view(N, K // g), lo.view(N, K // g))
         else:
             self.packed = torch._convert_weight_to_int4pack_for_cpu(q.view(N, K), 1)
             zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
