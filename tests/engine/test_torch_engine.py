@@ -334,7 +334,7 @@ def test_core_switches_threads_by_rows_in_the_forward(smol_dir, monkeypatch) -> 
     core.step()  # prefill of 4 x 2 tokens, then a decode of 1 row
     core.step()  # decode of 5 rows: large
     assert calls == [2, 1, 2, 1, 2]
-    core.model_runner.small_batch = 8  # where the engine's own int4 kernel runs: small up to 8 rows
+    core.model_runner.small_batch = 8  # an int4-kernel server of 8 slots: every decode batch small
     core.model_runner.use_threads(6)
     core.model_runner.use_threads(9)
     assert calls == [2, 1, 2, 1, 2, 1, 2]

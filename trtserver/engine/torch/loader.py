@@ -74,11 +74,14 @@ def auto_quantization(config: ServerConfig, manifest: Manifest, device: torch.de
 def small_batch(config: ServerConfig, device: torch.device, dtype: torch.dtype, quantize: str | None,
                 *, int4_kernel: bool = False) -> int:
     """Small decode batches take kernels of their own on the CPU (float32 attention, int4 / int8) where
-    the model is in bfloat16 or quantized; never where every batch size must compute alike."""
-    from trtserver.engine.torch.model_runner import SMALL_BATCH, SMALL_BATCH_INT4_KERNEL
+    the model is in bfloat16 or quantized; never where every batch size must compute alike. Where the int4
+    projections run the engine's own kernel (``cpu/int4.cpp``), every decode batch does: with the fused
+    attention it beats the float32 weights at every batch size measured, up to 64 rows
+    (docs/perf-decisions.md)."""
+    from trtserver.engine.torch.model_runner import SMALL_BATCH
 
     on = device.type == "cpu" and (dtype == torch.bfloat16 or quantize is not None) and not config.batch_invariant
-    return 0 if not on else SMALL_BATCH_INT4_KERNEL if int4_kernel else SMALL_BATCH
+    return 0 if not on else max(config.max_batch_size, SMALL_BATCH) if int4_kernel else SMALL_BATCH
 
 
 def thread_counts(config: ServerConfig, device: torch.device) -> tuple[int, int] | None:

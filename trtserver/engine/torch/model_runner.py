@@ -35,9 +35,6 @@ SMALL_BATCH = 4
 """Decode batches up to this many rows take the small-batch kernels (CPU): float32 attention and the
 quantized projections. Above it, and for prefill, the bfloat16 kernels are faster; the two sets round
 differently, so ``batch_invariant`` turns the small-batch set off."""
-SMALL_BATCH_INT4_KERNEL = 8
-"""The same limit where the int4 projections run the engine's own kernel (``cpu/int4.cpp``), which stays
-ahead of the model's float32 weights for longer (docs/perf-decisions.md)."""
 
 
 class DecodeFn(Protocol):

@@ -4,8 +4,8 @@
 module constants (``PathKind``), so TorchScript compiles only the branches the path takes:
 
 - the projections through ``weights.py``'s functions, the very ones its eager modules call: int4 / int8 for
-  small batches (up to ``model_runner.SMALL_BATCH`` rows), oneDNN's pre-packed weights for larger ones and
-  for every decode of an unquantized model;
+  small batches (up to ``model_runner.SMALL_BATCH`` rows; every decode batch on ``int4.cpp``'s int4), oneDNN's
+  pre-packed weights for larger ones and for every decode of an unquantized model;
 - the attention: float32 SDPA for small batches, the bmm for larger ones (on the K/V copied into the dense
   buffers first, for bfloat16);
 - where the fused kernels of ``kernels.cpp`` load, RMSNorm, RoPE with the K/V write and (small batches)
