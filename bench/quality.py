@@ -65,7 +65,8 @@ def main() -> None:
     unfused = accelerate(core.model, fused=False)
     dtype = args.dtype
     for label, small, decode in (
-            (f"{dtype} (batches above 4 rows; --batch-invariant), as ATen calls", False, unfused),
+            (f"{dtype} (prefill; decode above 4 rows without int4.cpp; --batch-invariant), as ATen calls", False,
+             unfused),
             (f"{dtype}, with the fused RMSNorm and RoPE of kernels.cpp (the default where they build)", False, fused),
             ("small-batch kernels (float32 attention, int4 + refined head), as ATen calls", True, unfused),
             ("small-batch kernels, through the fused CPU kernels (the default where they build)", True, fused)):

@@ -136,7 +136,9 @@ def _int4_weights(n: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
 
     g = torch.Generator().manual_seed(4)
     q = torch.randint(0, 16, (n, k // 32, 32), generator=g, dtype=torch.uint8)
-    scale, low = torch.rand(n, k // 32, 1, generator=g) / 8, torch.randn(n, k // 32, 1, generator=g)
+    # float16 scales and mins, as the layout keeps them
+    scale, low = (t.half().float() for t in (torch.rand(n, k // 32, 1, generator=g) / 8,
+                                             torch.randn(n, k // 32, 1, generator=g)))
     packed, scales_mins = int4_kernel_layout(q, scale.squeeze(-1), low.squeeze(-1))
     return packed, scales_mins, (q.float() * scale + low).view(n, k)
 
@@ -174,6 +176,8 @@ def test_int4_linear_refuses_what_it_cannot_read(ops) -> None:  # type: ignore[n
         ops.int4_linear(torch.randn(1, 96), packed[:1].contiguous(), scales_mins)  # 8 features' weights, 16's scales
     with pytest.raises(RuntimeError, match="scales_mins"):
         ops.int4_linear(torch.randn(1, 96), packed, scales_mins.transpose(2, 3).contiguous())  # (N / 8, K / 32, 8, 2)
+    with pytest.raises(RuntimeError, match="float16"):
+        ops.int4_linear(torch.randn(1, 96), packed, scales_mins.float())
 
 
 def test_the_int4_kernels_layout_takes_output_features_in_eights() -> None:
@@ -184,6 +188,7 @@ def test_the_int4_kernels_layout_takes_output_features_in_eights() -> None:
         int4_kernel_layout(q, ones, ones)
     packed, scales_mins = int4_kernel_layout(q[:8], ones[:8], ones[:8] * 2)
     assert packed.shape == (1, 3, 128) and scales_mins.shape == (1, 3, 2, 8)
+    assert scales_mins.dtype == torch.float16
     assert (scales_mins[:, :, 0] == 1).all() and (scales_mins[:, :, 1] == 2).all()
 
 

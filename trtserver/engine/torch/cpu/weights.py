@@ -56,8 +56,9 @@ def int4_kernel_layout(q: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, T
     """4-bit weights ``w[n, 32 b + j] = q[n, b, j] * scale[n, b] + low[n, b]`` (q: uint8 (N, K / 32, 32), values
     0-15; N a multiple of 8) in ``int4.cpp``'s layout: output features in groups of 8, a group's block 8 chunks
     of 16 bytes, chunk p's byte j holding for feature j // 2 the value at 2p + j % 2 in its low nibble and at
-    16 + 2p + j % 2 in its high one. Returns (packed uint8 (N / 8, K / 32, 128), scales_mins float32
-    (N / 8, K / 32, 2, 8): each block's 8 scales, then its 8 mins)."""
+    16 + 2p + j % 2 in its high one. Returns (packed uint8 (N / 8, K / 32, 128), scales_mins float16
+    (N / 8, K / 32, 2, 8): each block's 8 scales, then its 8 mins; a GGUF's 4-bit blocks hold theirs in
+    float16 too)."""
     n, blocks, _ = q.shape
     if n % INT4_KERNEL_FEATURES:
         raise ValueError(f"the int4 kernel's layout needs output features in multiples of {INT4_KERNEL_FEATURES}")
@@ -66,7 +67,7 @@ def int4_kernel_layout(q: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, T
     chunks = q.view(groups, INT4_KERNEL_FEATURES, blocks, 2, 8, 2).permute(0, 2, 3, 4, 1, 5)
     packed = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(groups, blocks, 128).contiguous()
     per_group = torch.stack([t.float().view(groups, INT4_KERNEL_FEATURES, blocks) for t in (scale, low)], 2)
-    return packed, per_group.permute(0, 3, 2, 1).contiguous()
+    return packed, per_group.permute(0, 3, 2, 1).contiguous().to(torch.float16)
 
 
 def fits_int4_kernel(model: Transformer) -> bool:
