@@ -50,8 +50,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         ge=0, description="CPU: engine threads; 0 = every core (every core but one with "
                           "--no-engine-process, leaving one to the event loop)")] = 0
     batch_threads: Annotated[int, Meta(
-        ge=0, description="CPU: threads for prefill and decode batches above the small-batch limit (4 rows, "
-                          "8 with the engine's own int4 kernel); 0 = --threads, or every core")] = 0
+        ge=0, description="CPU: threads for prefill and decode batches above the small-batch limit (4 rows; "
+                          "with the engine's own int4 kernel every decode batch is small); 0 = --threads, or "
+                          "every core")] = 0
     quantization: Annotated[Literal["auto", "none", "int8", "int4"], Meta(
         description="CPU weight-only quantization of small decode batches; auto = int4 when the weights came "
                     "from a 4-bit GGUF and --dtype is auto or bfloat16, else none")] = "auto"

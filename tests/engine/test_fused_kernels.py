@@ -166,6 +166,21 @@ def test_int4_linear_is_the_matmul_of_its_weights(ops, rows: int) -> None:  # ty
     assert got.dtype == torch.bfloat16 and _relative_error(got, xb.double() @ weight.double().t()) < 2 ** -8
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int4_gated_linear_projects_silu_of_gate_times_up(ops, rows: int) -> None:  # type: ignore[no-untyped-def]
+    """The feed-forward's down projection with SiLU(gate) * up formed inside: as the ATen calls then the
+    projection, within its exp's rounding; gates far out on either side included."""
+    packed, scales_mins, _ = _int4_weights(64, 160)
+    gate_up = torch.randn(rows, 320, generator=torch.Generator().manual_seed(8)) * 4
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = ops.int4_linear((torch.nn.functional.silu(gate) * up).contiguous(), packed, scales_mins)
+    got = ops.int4_gated_linear(gate_up, packed, scales_mins)
+    assert _relative_error(got, want) < 1e-5
+    with pytest.raises(RuntimeError, match="2K"):
+        ops.int4_gated_linear(gate_up[:, :160].contiguous(), packed, scales_mins)
+
+
 def test_int4_linear_refuses_what_it_cannot_read(ops) -> None:  # type: ignore[no-untyped-def]
     packed, scales_mins, _ = _int4_weights(16, 96)
     with pytest.raises(RuntimeError, match="multiple of 32"):

@@ -9,7 +9,8 @@ module constants (``PathKind``), so TorchScript compiles only the branches the p
 - the attention: float32 SDPA for small batches, the bmm for larger ones (on the K/V copied into the dense
   buffers first, for bfloat16);
 - where the fused kernels of ``kernels.cpp`` load, RMSNorm, RoPE with the K/V write and (small batches)
-  the attention are one call each. Their reductions sum in their own order, so they are close to the eager
+  the attention are one call each, and on ``int4.cpp``'s int4 the feed-forward's SiLU × up is formed inside
+  its down projection. Their reductions sum in their own order, so they are close to the eager
   layers, not bit for bit; without them the calls are the eager layers' own, and so are the bits.
 
 A change to the model's layer (``model.py``) is a change here too, where a model family needs it.
@@ -31,6 +32,7 @@ from trtserver.engine.torch.cpu.weights import (
     Int8Linear,
     PackedLinear,
     aten_int4_linear,
+    int4_kernel_gated_linear,
     int4_kernel_linear,
     int8_linear,
     packed_linear,
@@ -98,8 +100,11 @@ class DecodeLayers(nn.Module):
                norms: tuple[Tensor, Tensor], p: list[tuple[Tensor, Tensor, Tensor | None]]) -> Tensor:
         q = self._write(self._project(self._norm(x, norms[0]), p[0]), cos, sin, k_cache, v_cache, step)
         h = x + self._project(self._attend(q, k_cache, v_cache, step), p[1])
-        gate, up = self._project(self._norm(h, norms[1]), p[2]).chunk(2, dim=-1)
-        # SiLU × up stays ATen's, whose exp is vectorised
+        gate_up = self._project(self._norm(h, norms[1]), p[2])
+        if self.int4_kernel and self.fused:
+            weight, scales, bias = p[3]
+            return h + int4_kernel_gated_linear(gate_up, weight, scales, bias)
+        gate, up = gate_up.chunk(2, dim=-1)
         return h + self._project(F.silu(gate) * up, p[3])
 
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:

@@ -14,9 +14,13 @@
 #include <vector>
 
 #include "checks.h"
+#include "vector_exp.h"
 
 using at::Tensor;
 using trtserver_kernels::check_activation;
+#if defined(__AVX2__) && defined(__FMA__)
+using trtserver_kernels::exp8;
+#endif
 
 namespace {
 
@@ -98,22 +102,24 @@ void int4_group(const Int4Activations& a, const uint8_t* packed, const at::Half*
 #endif
 }
 
-Tensor int4_linear(const Tensor& x, const Tensor& packed, const Tensor& scales_mins) {
-  const auto type = x.scalar_type();
-  check_activation(x, type, "int4_linear x");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "int4_linear: x must be (rows, K), K a multiple of 32");
-  const int64_t rows = x.size(0), K = x.size(1), G = K / kBlock;
+// The weights' checks; returns N.
+int64_t check_weights(const Tensor& packed, const Tensor& scales_mins, int64_t K, const char* op) {
+  const int64_t G = K / kBlock;
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
               packed.dim() == 3 && packed.size(1) == G && packed.size(2) == kBlockBytes,
-              "int4_linear: packed must be contiguous uint8 (N / 8, K / 32, 128)");
-  const int64_t groups = packed.size(0), N = groups * kGroup;
+              op, ": packed must be contiguous uint8 (N / 8, K / 32, 128)");
+  const int64_t groups = packed.size(0);
   TORCH_CHECK(scales_mins.device().is_cpu() && scales_mins.scalar_type() == at::kHalf && scales_mins.is_contiguous() &&
               scales_mins.dim() == 4 && scales_mins.size(0) == groups && scales_mins.size(1) == G &&
               scales_mins.size(2) == 2 && scales_mins.size(3) == kGroup,
-              "int4_linear: scales_mins must be contiguous float16 (N / 8, K / 32, 2, 8): each block's scales, then "
-              "its mins");
-  const Tensor xf = type == at::kFloat ? x : x.to(at::kFloat);
-  const float* xp = xf.const_data_ptr<float>();
+              op, ": scales_mins must be contiguous float16 (N / 8, K / 32, 2, 8): each block's scales, then its mins");
+  return groups * kGroup;
+}
+
+// y = x W^T for float32 activations x (rows, K): each block of x scaled to int16, then the groups in parallel.
+Tensor int4_project(const float* xp, int64_t rows, int64_t K, const Tensor& packed, const Tensor& scales_mins,
+                    int64_t N, const at::TensorOptions& options) {
+  const int64_t G = K / kBlock, groups = N / kGroup;
   std::vector<float> block_sums(rows * G), block_scales(rows * G);
   std::vector<int16_t> quantized(rows * K);
   for (int64_t r = 0; r < rows; ++r) {
@@ -135,7 +141,7 @@ Tensor int4_linear(const Tensor& x, const Tensor& packed, const Tensor& scales_m
       }
     }
   }
-  Tensor y = at::empty({rows, N}, x.options().dtype(at::kFloat));
+  Tensor y = at::empty({rows, N}, options.dtype(at::kFloat));
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
   const at::Half* sp = scales_mins.const_data_ptr<at::Half>();
   float* yp = y.mutable_data_ptr<float>();
@@ -156,6 +162,48 @@ Tensor int4_linear(const Tensor& x, const Tensor& packed, const Tensor& scales_m
       }
     }
   });
+  return y;
+}
+
+Tensor int4_linear(const Tensor& x, const Tensor& packed, const Tensor& scales_mins) {
+  const auto type = x.scalar_type();
+  check_activation(x, type, "int4_linear x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "int4_linear: x must be (rows, K), K a multiple of 32");
+  const int64_t rows = x.size(0), K = x.size(1);
+  const int64_t N = check_weights(packed, scales_mins, K, "int4_linear");
+  const Tensor xf = type == at::kFloat ? x : x.to(at::kFloat);
+  const Tensor y = int4_project(xf.const_data_ptr<float>(), rows, K, packed, scales_mins, N, x.options());
+  return type == at::kFloat ? y : y.to(type);
+}
+
+// The feed-forward's down projection of SiLU(gate) * up, `gate_up` (rows, 2K) holding gate then up: the product
+// is formed as the activations are read, one call instead of the split, the SiLU and the multiplication.
+Tensor int4_gated_linear(const Tensor& gate_up, const Tensor& packed, const Tensor& scales_mins) {
+  const auto type = gate_up.scalar_type();
+  check_activation(gate_up, type, "int4_gated_linear gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % (2 * kBlock) == 0,
+              "int4_gated_linear: gate_up must be (rows, 2K), K a multiple of 32");
+  const int64_t rows = gate_up.size(0), K = gate_up.size(1) / 2;
+  const int64_t N = check_weights(packed, scales_mins, K, "int4_gated_linear");
+  const Tensor gf = type == at::kFloat ? gate_up : gate_up.to(at::kFloat);
+  const float* gp = gf.const_data_ptr<float>();
+  std::vector<float> x(rows * K);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = gp + r * 2 * K;
+    const float* up = gate + K;
+    float* xr = x.data() + r * K;
+    int64_t k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; k + 8 <= K; k += 8) {
+      const __m256 g = _mm256_loadu_ps(gate + k);
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+      _mm256_storeu_ps(xr + k, _mm256_mul_ps(silu, _mm256_loadu_ps(up + k)));
+    }
+#endif
+    for (; k < K; ++k) xr[k] = gate[k] / (1.f + std::exp(-gate[k])) * up[k];
+  }
+  const Tensor y = int4_project(x.data(), rows, K, packed, scales_mins, N, gate_up.options());
   return type == at::kFloat ? y : y.to(type);
 }
 
@@ -163,4 +211,5 @@ Tensor int4_linear(const Tensor& x, const Tensor& packed, const Tensor& scales_m
 
 TORCH_LIBRARY_FRAGMENT(trtserver, m) {
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_mins) -> Tensor", &int4_linear);
+  m.def("int4_gated_linear(Tensor gate_up, Tensor packed, Tensor scales_mins) -> Tensor", &int4_gated_linear);
 }

@@ -39,6 +39,13 @@ def int4_kernel_linear(x: Tensor, packed: Tensor, scales: Tensor, bias: Tensor |
     return y if bias is None else y + bias
 
 
+def int4_kernel_gated_linear(gate_up: Tensor, packed: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
+    """The feed-forward's down projection of ``silu(gate) * up`` for ``gate_up`` (rows, 2K), contiguous, gate
+    first, in one ``int4_gated_linear`` call (the product formed as the kernel reads its activations)."""
+    y = torch.ops.trtserver.int4_gated_linear(gate_up, packed, scales)
+    return y if bias is None else y + bias
+
+
 def aten_int4_linear(x: Tensor, packed: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
     """(rows, K) through ATen's int4 kernel, which takes bfloat16 activations: a float32 model's are rounded
     for it, its output widened."""
