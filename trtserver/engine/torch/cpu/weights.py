@@ -189,11 +189,13 @@ class Int4Head(Int4Linear):
         if not self.kernels.small:
             return y  # the bfloat16 GEMM already
         rows = x.numel() // x.shape[-1]
-        flat, xs = y.view(rows, self.out_features), x.reshape(rows, 1, x.shape[-1])
+        flat, xs = y.view(rows, self.out_features), x.reshape(rows, x.shape[-1])
         best = flat.topk(self.REFINE, dim=-1, sorted=False).indices  # (rows, REFINE)
-        # index_select, not weight[best]: advanced indexing is the slower gather of these rows
-        chosen = self.weight.index_select(0, best.view(-1)).view(rows, self.REFINE, -1)
-        exact = torch.bmm(xs.float(), chosen.float().transpose(1, 2)).view(rows, self.REFINE)
+        # the rows' best tokens overlap: their union's weight rows are gathered once and scored for every row
+        # (index_select, not weight[union]: advanced indexing is the slower gather)
+        union, where = torch.unique(best, return_inverse=True)
+        scored = xs.float() @ self.weight.index_select(0, union).float().t()  # (rows, len(union))
+        exact = scored.gather(1, where)
         if self.bias is not None:
             exact += self.bias[best]
         flat.scatter_(1, best, exact.to(flat.dtype))
