@@ -26,6 +26,9 @@ using trtserver_kernels::check_activation;
 #if defined(__AVX2__) && defined(__FMA__)
 using trtserver_kernels::exp8;
 #endif
+#if defined(__AVX512F__)
+using trtserver_kernels::exp16;
+#endif
 
 // The body with scalar_t bound to the activations' type, bfloat16 or float32 (check_activation refuses the rest).
 #define ACTIVATIONS(type, name, ...) \
@@ -44,9 +47,8 @@ inline float f(float v) { return v; }
 template <typename T>
 inline T to(float v) { return T(v); }
 
-// A softmax row in place, less its normalisation: e^(x - best) for each x, returning their sum. With AVX-512,
-// e^x is Cody-Waite's reduction to x = n ln 2 + r, Cephes' polynomial for e^r and vscalefps for 2^n, 16 at a
-// time (within ~2 ulp), instead of a scalar std::exp call per score; with AVX2, vector_exp.h's exp8.
+// A softmax row in place, less its normalisation: e^(x - best) for each x, returning their sum; vector_exp.h's
+// e^x 16 or 8 at a time (within ~2 ulp) with AVX-512 or AVX2, instead of a scalar std::exp call per score.
 float exp_row(float* x, int64_t n, float best) {
   int64_t t = 0;
   float total = 0.f;
@@ -55,21 +57,7 @@ float exp_row(float* x, int64_t n, float best) {
   __m512 sum = _mm512_setzero_ps();
   for (; t < n; t += 16) {
     const __mmask16 live = n - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1);
-    // clamped where 2^n would leave float's exponent; max_ps returns its second operand where either is NaN: a NaN
-    // score stays NaN, as std::exp keeps it
-    __m512 v = _mm512_max_ps(_mm512_set1_ps(-87.f), _mm512_sub_ps(_mm512_maskz_loadu_ps(live, x + t), top));
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v);
-    v = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), v);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, v), v, v), _mm512_set1_ps(1.f));
-    const __m512 e = _mm512_scalef_ps(p, k);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, x + t), top));
     _mm512_mask_storeu_ps(x + t, live, e);
     sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(live, e));
   }
