@@ -8,7 +8,9 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -196,12 +198,19 @@ def test_int4_linear_refuses_what_it_cannot_read(ops) -> None:  # type: ignore[n
 
 
 def test_the_int4_kernels_layout_takes_output_features_in_eights() -> None:
-    from trtserver.engine.torch.cpu.weights import int4_kernel_layout
+    """The layout refuses a width it cannot group, and the engine takes it only for models whose widths fit."""
+    from trtserver.engine.torch.cpu.weights import fits_int4_kernel, int4_kernel_layout
+    from trtserver.engine.torch.model import ModelArgs
+
+    smol_shapes = ModelArgs(vocab_size=49152, dim=576, n_layers=1, n_heads=9, n_kv_heads=3, head_dim=64,
+                            intermediate_size=1536)
 
     q, ones = torch.zeros(12, 3, 32, dtype=torch.uint8), torch.ones(12, 3)
     with pytest.raises(ValueError, match="multiples of 8"):
         int4_kernel_layout(q, ones, ones)
     packed, scales_mins = int4_kernel_layout(q[:8], ones[:8], ones[:8] * 2)
+    assert fits_int4_kernel(SimpleNamespace(args=smol_shapes))  # type: ignore[arg-type]
+    assert not fits_int4_kernel(SimpleNamespace(args=replace(smol_shapes, vocab_size=49153)))  # type: ignore[arg-type]
     assert packed.shape == (1, 3, 128) and scales_mins.shape == (1, 3, 2, 8)
     assert scales_mins.dtype == torch.float16
     assert (scales_mins[:, :, 0] == 1).all() and (scales_mins[:, :, 1] == 2).all()

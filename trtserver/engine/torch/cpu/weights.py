@@ -133,8 +133,9 @@ class Int4Linear(nn.Module):
     """Weight-only int4 for small decode batches: groups of 32 along the input dimension, each
     with its own scale and zero (the layout of the GGUF Q4_1 blocks SmolLM2 ships in, so those
     weights come back nearly exactly). Decode is bound by reading weights, and int4 reads a
-    quarter of bfloat16's bytes; prefill and larger batches keep the bfloat16 GEMM, which is
-    faster there than this kernel (whose time grows with the rows).
+    quarter of bfloat16's bytes; prefill keeps the model's own weights, and so do decode batches
+    above ``SMALL_BATCH`` rows on ATen's int4 kernel, whose time grows with the rows (``int4.cpp``'s
+    serves every decode batch).
     """
 
     GROUP = 32
@@ -176,7 +177,7 @@ class Int4Head(Int4Linear):
     is often kept at 8 bits (SmolLM2's is Q8_0), and 4 bits there changes greedy text; with the
     correction every token that can win or carry real probability has its bfloat16 logit, at the
     cost of one top-k and ``REFINE`` dot products per row (the whole head in bfloat16 would read
-    over three times the bytes)."""
+    over three times the bytes). The rows' candidates are scored together, their union gathered once."""
 
     REFINE = 256
 
