@@ -27,11 +27,11 @@ namespace {
 // w[n][k] = q * scale + min, in blocks of 32 along k with a scale and a min each, output features in groups of
 // 8. A group's block is 128 bytes: 8 chunks of 16, chunk p's byte j holding, for feature j / 2, the value at
 // k = 2p + j % 2 in its low nibble and at k = 16 + 2p + j % 2 in its high one; then the block's 8 scales and 8
-// mins (float16, `scales_mins`: 20 bytes a feature's block in all, where float32 made it 24). Widened to int16, a chunk's nibbles are the 8 features' weights for two pairs
-// of k, so vpmaddwd against one pair of the activations broadcast puts feature f's partial dot product in lane
-// f: a block sums to the group's 8 outputs with no horizontal additions. The activations are scaled to int16
-// a block at a time by the block's largest magnitude (within 2^-16 of it, where bfloat16 rounds each value to
-// 2^-9). y[r][n] = sum over blocks of scale * (q . x) + min * sum(x).
+// mins (float16, `scales_mins`: 20 bytes a feature's block in all). Widened to int16, a chunk's nibbles are the
+// 8 features' weights for two pairs of k, so vpmaddwd against one pair of the activations broadcast puts
+// feature f's partial dot product in lane f: a block sums to the group's 8 outputs with no horizontal additions.
+// The activations are scaled to int16 a block at a time by the block's largest magnitude (within 2^-16 of it,
+// where bfloat16 rounds each value to 2^-9). y[r][n] = sum over blocks of scale * (q . x) + min * sum(x).
 constexpr int64_t kGroup = 8, kBlock = 32, kBlockBytes = kGroup * kBlock / 2;
 
 struct Int4Activations {
