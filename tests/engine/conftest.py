@@ -1,4 +1,5 @@
-"""One real SmolLM2 PyTorch engine (float32, small cache, 16-token prefill chunks) for the module."""
+"""One real SmolLM2 PyTorch engine (float32, small cache, 16-token prefill chunks) for the module, and the fused
+CPU kernels' ops."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from trtserver.engine.torch.engine import TorchEngine
 
@@ -19,6 +21,15 @@ def smol_dir() -> Path:
     if not (ENGINE_DIR / "model.safetensors").exists() or not (ENGINE_DIR / "config.json").exists():
         pytest.fail(f"{ENGINE_DIR} is missing: run `make engines` first")
     return ENGINE_DIR
+
+
+@pytest.fixture(scope="module")
+def ops() -> object:
+    """``torch.ops.trtserver``, the fused CPU kernels loaded (built first where they are not yet)."""
+    from trtserver.engine.torch.cpu import kernels
+
+    assert kernels.load(), "the fused kernels did not build (is a C++ compiler installed?)"
+    return torch.ops.trtserver
 
 
 @pytest.fixture(scope="session")
