@@ -118,9 +118,7 @@ class PrefixCache:
     def next_target(self) -> int | None:
         """The running slot a new request's copied prefix would be written to next: the lowest empty one,
         else the least recently used entry's; None while every running slot is taken."""
-        if self._empty:
-            return self._empty[0]
-        return min(self.entries, key=lambda slot: self.entries[slot].used) if self.entries else None
+        return self._empty[0] if self._empty else self._least_recent(avoid=-1)
 
     def longest_entry(self) -> int:
         return max((len(e.tokens) for e in itertools.chain(self.entries.values(), self.stash.values())), default=0)
@@ -137,10 +135,9 @@ class PrefixCache:
         the entry moving to the stash when it is worth more than what it would replace there."""
         if self._empty:
             return heapq.heappop(self._empty)
-        candidates = [(e.used, slot) for slot, e in self.entries.items() if slot != avoid]
-        if not candidates:
+        slot = self._least_recent(avoid)
+        if slot is None:
             return None
-        _, slot = min(candidates)
         entry = self.entries.pop(slot)
         if self.stash_slots and len(entry.tokens) >= MIN_STASHED:
             free = [s for s in range(self.num_slots, self.num_slots + self.stash_slots) if s not in self.stash]
@@ -149,6 +146,12 @@ class PrefixCache:
                 self.stash[to] = entry
                 placement.copies.append((slot, to, len(entry.tokens)))
         return slot
+
+
+    def _least_recent(self, avoid: int) -> int | None:
+        """The running slot of the least recently used entry, but ``avoid``; None when there is none."""
+        candidates = [(e.used, slot) for slot, e in self.entries.items() if slot != avoid]
+        return min(candidates)[1] if candidates else None
 
 
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:
