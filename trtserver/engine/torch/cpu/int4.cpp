@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "int4.h"
 #include "vector_exp.h"
 
 using at::Tensor;
@@ -44,7 +45,7 @@ struct Int4Activations {
 // One group of 8 features for R rows.
 template <int R>
 void int4_group(const Int4Activations& a, const uint8_t* packed, const at::Half* scales_mins, float* y, int64_t K,
-                int64_t N, int64_t group) {
+                int64_t N, int64_t group, bool accumulate) {
   const int64_t G = K / kBlock;
   const uint8_t* w = packed + group * G * kBlockBytes;
   const at::Half* sm = scales_mins + group * G * 2 * kGroup;
@@ -77,7 +78,10 @@ void int4_group(const Int4Activations& a, const uint8_t* packed, const at::Half*
     w += kBlockBytes;
     sm += 2 * kGroup;
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N + group * kGroup, acc[r]);
+  for (int r = 0; r < R; ++r) {
+    float* yr = y + r * N + group * kGroup;
+    _mm256_storeu_ps(yr, accumulate ? _mm256_add_ps(_mm256_loadu_ps(yr), acc[r]) : acc[r]);
+  }
 #else
   float total[R][kGroup] = {};
   for (int64_t g = 0; g < G; ++g, w += kBlockBytes, sm += 2 * kGroup) {
@@ -98,12 +102,17 @@ void int4_group(const Int4Activations& a, const uint8_t* packed, const at::Half*
       }
     }
   }
-  for (int r = 0; r < R; ++r) std::copy(total[r], total[r] + kGroup, y + r * N + group * kGroup);
+  for (int r = 0; r < R; ++r) {
+    for (int f = 0; f < kGroup; ++f) y[r * N + group * kGroup + f] = accumulate ? y[r * N + group * kGroup + f] + total[r][f] : total[r][f];
+  }
 #endif
 }
 
-// The weights' checks; returns N.
-int64_t check_weights(const Tensor& packed, const Tensor& scales_mins, int64_t K, const char* op) {
+}  // namespace
+
+namespace trtserver_kernels {
+
+int64_t check_int4_weights(const Tensor& packed, const Tensor& scales_mins, int64_t K, const char* op) {
   const int64_t G = K / kBlock;
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
               packed.dim() == 3 && packed.size(1) == G && packed.size(2) == kBlockBytes,
@@ -116,9 +125,8 @@ int64_t check_weights(const Tensor& packed, const Tensor& scales_mins, int64_t K
   return groups * kGroup;
 }
 
-// y = x W^T for float32 activations x (rows, K): each block of x scaled to int16, then the groups in parallel.
-Tensor int4_project(const float* xp, int64_t rows, int64_t K, const Tensor& packed, const Tensor& scales_mins,
-                    int64_t N, const at::TensorOptions& options) {
+void int4_project_into(const float* xp, int64_t rows, int64_t K, const Tensor& packed, const Tensor& scales_mins,
+                       int64_t N, float* yp, bool accumulate) {
   const int64_t G = K / kBlock, groups = N / kGroup;
   std::vector<float> block_sums(rows * G), block_scales(rows * G);
   std::vector<int16_t> quantized(rows * K);
@@ -141,10 +149,8 @@ Tensor int4_project(const float* xp, int64_t rows, int64_t K, const Tensor& pack
       }
     }
   }
-  Tensor y = at::empty({rows, N}, options.dtype(at::kFloat));
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
   const at::Half* sp = scales_mins.const_data_ptr<at::Half>();
-  float* yp = y.mutable_data_ptr<float>();
   // each task takes groups of features for every row: the weights, the bulk of the bytes, are read from memory
   // once, and a group's stay in cache while four rows at a time pass over them
   at::parallel_for(0, groups, 8, [&](int64_t g0, int64_t g1) {
@@ -154,44 +160,21 @@ Tensor int4_project(const float* xp, int64_t rows, int64_t K, const Tensor& pack
                                 block_scales.data() + r * G};
         float* yr = yp + r * N;
         switch (std::min<int64_t>(4, rows - r)) {
-          case 1: int4_group<1>(a, wp, sp, yr, K, N, group); break;
-          case 2: int4_group<2>(a, wp, sp, yr, K, N, group); break;
-          case 3: int4_group<3>(a, wp, sp, yr, K, N, group); break;
-          default: int4_group<4>(a, wp, sp, yr, K, N, group); break;
+          case 1: int4_group<1>(a, wp, sp, yr, K, N, group, accumulate); break;
+          case 2: int4_group<2>(a, wp, sp, yr, K, N, group, accumulate); break;
+          case 3: int4_group<3>(a, wp, sp, yr, K, N, group, accumulate); break;
+          default: int4_group<4>(a, wp, sp, yr, K, N, group, accumulate); break;
         }
       }
     }
   });
-  return y;
 }
 
-Tensor int4_linear(const Tensor& x, const Tensor& packed, const Tensor& scales_mins) {
-  const auto type = x.scalar_type();
-  check_activation(x, type, "int4_linear x");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "int4_linear: x must be (rows, K), K a multiple of 32");
-  const int64_t rows = x.size(0), K = x.size(1);
-  const int64_t N = check_weights(packed, scales_mins, K, "int4_linear");
-  const Tensor xf = type == at::kFloat ? x : x.to(at::kFloat);
-  const Tensor y = int4_project(xf.const_data_ptr<float>(), rows, K, packed, scales_mins, N, x.options());
-  return type == at::kFloat ? y : y.to(type);
-}
-
-// The feed-forward's down projection of SiLU(gate) * up, `gate_up` (rows, 2K) holding gate then up: the product
-// is formed as the activations are read, one call instead of the split, the SiLU and the multiplication.
-Tensor int4_gated_linear(const Tensor& gate_up, const Tensor& packed, const Tensor& scales_mins) {
-  const auto type = gate_up.scalar_type();
-  check_activation(gate_up, type, "int4_gated_linear gate_up");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % (2 * kBlock) == 0,
-              "int4_gated_linear: gate_up must be (rows, 2K), K a multiple of 32");
-  const int64_t rows = gate_up.size(0), K = gate_up.size(1) / 2;
-  const int64_t N = check_weights(packed, scales_mins, K, "int4_gated_linear");
-  const Tensor gf = type == at::kFloat ? gate_up : gate_up.to(at::kFloat);
-  const float* gp = gf.const_data_ptr<float>();
-  std::vector<float> x(rows * K);
+void silu_times_up(const float* gate_up, int64_t rows, int64_t K, float* out) {
   for (int64_t r = 0; r < rows; ++r) {
-    const float* gate = gp + r * 2 * K;
+    const float* gate = gate_up + r * 2 * K;
     const float* up = gate + K;
-    float* xr = x.data() + r * K;
+    float* xr = out + r * K;
     int64_t k = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     const __m256 one = _mm256_set1_ps(1.f);
@@ -203,7 +186,41 @@ Tensor int4_gated_linear(const Tensor& gate_up, const Tensor& packed, const Tens
 #endif
     for (; k < K; ++k) xr[k] = gate[k] / (1.f + std::exp(-gate[k])) * up[k];
   }
-  const Tensor y = int4_project(x.data(), rows, K, packed, scales_mins, N, gate_up.options());
+}
+
+}  // namespace trtserver_kernels
+
+namespace {
+
+using trtserver_kernels::check_int4_weights;
+using trtserver_kernels::int4_project_into;
+
+Tensor int4_linear(const Tensor& x, const Tensor& packed, const Tensor& scales_mins) {
+  const auto type = x.scalar_type();
+  check_activation(x, type, "int4_linear x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "int4_linear: x must be (rows, K), K a multiple of 32");
+  const int64_t rows = x.size(0), K = x.size(1);
+  const int64_t N = check_int4_weights(packed, scales_mins, K, "int4_linear");
+  const Tensor xf = type == at::kFloat ? x : x.to(at::kFloat);
+  Tensor y = at::empty({rows, N}, x.options().dtype(at::kFloat));
+  int4_project_into(xf.const_data_ptr<float>(), rows, K, packed, scales_mins, N, y.mutable_data_ptr<float>(), false);
+  return type == at::kFloat ? y : y.to(type);
+}
+
+// The feed-forward's down projection of SiLU(gate) * up, `gate_up` (rows, 2K) holding gate then up: the product
+// is formed as the activations are read, one call instead of the split, the SiLU and the multiplication.
+Tensor int4_gated_linear(const Tensor& gate_up, const Tensor& packed, const Tensor& scales_mins) {
+  const auto type = gate_up.scalar_type();
+  check_activation(gate_up, type, "int4_gated_linear gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % (2 * kBlock) == 0,
+              "int4_gated_linear: gate_up must be (rows, 2K), K a multiple of 32");
+  const int64_t rows = gate_up.size(0), K = gate_up.size(1) / 2;
+  const int64_t N = check_int4_weights(packed, scales_mins, K, "int4_gated_linear");
+  const Tensor gf = type == at::kFloat ? gate_up : gate_up.to(at::kFloat);
+  std::vector<float> x(rows * K);
+  trtserver_kernels::silu_times_up(gf.const_data_ptr<float>(), rows, K, x.data());
+  Tensor y = at::empty({rows, N}, gate_up.options().dtype(at::kFloat));
+  int4_project_into(x.data(), rows, K, packed, scales_mins, N, y.mutable_data_ptr<float>(), false);
   return type == at::kFloat ? y : y.to(type);
 }
 

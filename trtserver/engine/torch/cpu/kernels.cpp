@@ -367,6 +367,28 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
 
 }  // namespace
 
+namespace trtserver_kernels {  // the float32 rows for decode_stack.cpp (kernel_rows.h)
+
+void rms_norm_rows(const float* x, const float* weight, float* out, int64_t rows, int64_t n, float eps) {
+  ::rms_norm_rows(x, weight, out, rows, n, eps);
+}
+
+void rope_cache_rows(const float* qkv, const float* cos, const float* sin, float* q, float* k_cache, float* v_cache,
+                     const int64_t* slots, const int64_t* positions, int64_t rows, int64_t width, int64_t n_heads,
+                     int64_t n_kv_heads, int64_t head_dim, int64_t cache_positions) {
+  ::rope_cache_rows(qkv, cos, sin, q, k_cache, v_cache, slots, positions, rows, width, n_heads, n_kv_heads, head_dim,
+                    cache_positions);
+}
+
+void decode_attention_rows(const float* q, const float* k_cache, const float* v_cache, float* out,
+                           const int64_t* slots, const int64_t* positions, int64_t rows, int64_t n_heads,
+                           int64_t n_kv_heads, int64_t head_dim, int64_t cache_positions, int64_t longest) {
+  ::decode_attention_rows(q, k_cache, v_cache, out, slots, positions, rows, n_heads, n_kv_heads, head_dim,
+                          cache_positions, longest);
+}
+
+}  // namespace trtserver_kernels
+
 TORCH_LIBRARY(trtserver, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("rope_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from trtserver.engine.torch.cpu.decode_layers import DecodeLayers, DecodeStep, PathKind
+from trtserver.engine.torch.cpu.decode_stack import Int4DecodeStack
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from trtserver.engine.torch.model import Block, ForwardContext, Transformer
 
 log = logging.getLogger(__name__)
+STACK_KIND = PathKind("int4_kernel", "kernel", fused=True)  # the path decode_stack.py's single call can take
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +102,10 @@ def _has_lora(model: Transformer) -> bool:
 
 
 def _path(model: Transformer, kind: PathKind) -> DecodePath | None:
-    layers = _script(DecodeLayers(model, [_projections(layer) for layer in _blocks(model)], kind))
+    projections = [_projections(layer) for layer in _blocks(model)]
+    if kind == STACK_KIND and Int4DecodeStack.fits(model, projections):
+        return DecodePath(Int4DecodeStack(model, projections), kind)
+    layers = _script(DecodeLayers(model, projections, kind))
     return None if layers is None else DecodePath(layers, kind)
 
 
