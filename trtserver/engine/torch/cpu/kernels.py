@@ -29,9 +29,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.cpp", "int4.cpp", "decode_stack.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.cpp", "int4.cpp", "decode_stack.cpp", "top_k.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("checks.h", "vector_exp.h", "int4.h", "kernel_rows.h"))
-OPS = ("rms_norm", "rope_cache", "decode_attention", "int4_linear", "int4_gated_linear", "int4_decode_layers")
+OPS = ("rms_norm", "rope_cache", "decode_attention", "int4_linear", "int4_gated_linear", "int4_decode_layers",
+       "top_k_indices")
 BUILD_TIMEOUT_S = 300.0
 AMX_OFF = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")  # where the compiler knows them (_no_amx_flags)
 STALE_LOCK_S = 900.0  # a build lock older than this was left by a build that died

@@ -191,12 +191,17 @@ class Int4Head(Int4Linear):
             return y  # the bfloat16 GEMM already
         rows = x.numel() // x.shape[-1]
         flat, xs = y.view(rows, self.out_features), x.reshape(rows, x.shape[-1])
-        best = flat.topk(self.REFINE, dim=-1, sorted=False).indices  # (rows, REFINE)
+        if self.kernel_layout and flat.dtype == torch.float32:  # the kernels are loaded: top_k.cpp's selection
+            best = torch.ops.trtserver.top_k_indices(flat, self.REFINE)  # (rows, REFINE)
+        else:
+            best = flat.topk(self.REFINE, dim=-1, sorted=False).indices
         # the rows' best tokens overlap: their union's weight rows are gathered once and scored for every row
-        # (index_select, not weight[union]: advanced indexing is the slower gather)
-        union, where = torch.unique(best, return_inverse=True)
-        scored = xs.float() @ self.weight.index_select(0, union).float().t()  # (rows, len(union))
-        exact = scored.gather(1, where)
+        # (index_select, not weight[union]: advanced indexing is the slower gather); one row's are its own
+        if rows == 1:
+            exact = xs.float() @ self.weight.index_select(0, best[0]).float().t()
+        else:
+            union, where = torch.unique(best, return_inverse=True)
+            exact = (xs.float() @ self.weight.index_select(0, union).float().t()).gather(1, where)
         if self.bias is not None:
             exact += self.bias[best]
         flat.scatter_(1, best, exact.to(flat.dtype))
