@@ -2,11 +2,17 @@
 // norm, RoPE / K/V write and attention: what decode_layers.DecodeLayers._block computes on that path, call for
 // call and bit for bit, without an op dispatch, a new tensor and interpreter work for each piece of each layer.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "checks.h"
@@ -81,20 +87,69 @@ Tensor int4_decode_layers(const Tensor& x, const Tensor& cos, const Tensor& sin,
   const float* cp = cos.const_data_ptr<float>();
   const float* snp = sin.const_data_ptr<float>();
   const float epsilon = static_cast<float>(eps);
-  for (int64_t l = 0; l < layers; ++l) {
-    float* kc = k_caches[l].mutable_data_ptr<float>();
-    float* vc = v_caches[l].mutable_data_ptr<float>();
-    const Tensor* w = &packed[4 * l];
-    const Tensor* s = &scales_mins[4 * l];
-    rms_norm_rows(h, norms[2 * l].const_data_ptr<float>(), normed.data(), B, dim, epsilon);
-    int4_project_into(normed.data(), B, dim, w[0], s[0], width, qkv.data(), false);
-    rope_cache_rows(qkv.data(), cp, snp, q.data(), kc, vc, sp, pp, B, width, nh, nkv, hs, P);
-    decode_attention_rows(q.data(), kc, vc, attended.data(), sp, pp, B, nh, nkv, hs, P, longest);
-    int4_project_into(attended.data(), B, nh * hs, w[1], s[1], dim, h, true);  // h + wo(attention)
-    rms_norm_rows(h, norms[2 * l + 1].const_data_ptr<float>(), normed.data(), B, dim, epsilon);
-    int4_project_into(normed.data(), B, dim, w[2], s[2], 2 * hidden, gate_up.data(), false);
-    silu_times_up(gate_up.data(), B, hidden, gated.data());
-    int4_project_into(gated.data(), B, hidden, w[3], s[3], dim, h, true);  // h + w2(SiLU(gate) * up)
+  Int4Input input;  // the projection's activations, scaled to int16 once for every thread
+  AttentionWork attention;
+  const int64_t threads = std::max(1, at::get_num_threads());
+  // One parallel region for the whole step, the threads meeting at a barrier between the pieces, instead of a
+  // region (a fork and a join) for each projection and attention; what one thread does alone is in `single`.
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#if defined(_OPENMP)
+    const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+#else
+    const int64_t thread = 0, team = 1;
+#endif
+    // this thread's share of n pieces (the projections' groups of 8 features, the attention's tasks)
+    const auto share = [&](int64_t n) { return std::pair<int64_t, int64_t>{n * thread / team, n * (thread + 1) / team}; };
+    const auto project = [&](const Tensor& w, const Tensor& s, int64_t N, float* y, bool accumulate) {
+      const auto [g0, g1] = share(N / 8);
+      int4_groups(input, w, s, N, y, accumulate, g0, g1);
+    };
+    for (int64_t l = 0; l < layers; ++l) {
+      float* kc = k_caches[l].mutable_data_ptr<float>();
+      float* vc = v_caches[l].mutable_data_ptr<float>();
+      const Tensor* w = &packed[4 * l];
+      const Tensor* s = &scales_mins[4 * l];
+#pragma omp single
+      {
+        rms_norm_rows(h, norms[2 * l].const_data_ptr<float>(), normed.data(), B, dim, epsilon);
+        quantize_int4_input(normed.data(), B, dim, input);
+      }
+      project(w[0], s[0], width, qkv.data(), false);
+#pragma omp barrier
+#pragma omp single
+      {
+        rope_cache_rows(qkv.data(), cp, snp, q.data(), kc, vc, sp, pp, B, width, nh, nkv, hs, P);
+        plan_attention(attention, B, nh, nkv, hs, P, longest, team);
+      }
+      {
+        const auto [t0, t1] = attention.threaded ? share(attention.tasks())
+                                                 : std::pair<int64_t, int64_t>{0, thread == 0 ? attention.tasks() : 0};
+        attention_tasks(attention, q.data(), kc, vc, sp, pp, t0, t1);
+      }
+#pragma omp barrier
+#pragma omp single
+      {
+        merge_attention(attention, attended.data());
+        quantize_int4_input(attended.data(), B, nh * hs, input);
+      }
+      project(w[1], s[1], dim, h, true);  // h + wo(attention)
+#pragma omp barrier
+#pragma omp single
+      {
+        rms_norm_rows(h, norms[2 * l + 1].const_data_ptr<float>(), normed.data(), B, dim, epsilon);
+        quantize_int4_input(normed.data(), B, dim, input);
+      }
+      project(w[2], s[2], 2 * hidden, gate_up.data(), false);
+#pragma omp barrier
+#pragma omp single
+      {
+        silu_times_up(gate_up.data(), B, hidden, gated.data());
+        quantize_int4_input(gated.data(), B, hidden, input);
+      }
+      project(w[3], s[3], dim, h, true);  // h + w2(SiLU(gate) * up)
+#pragma omp barrier
+    }
   }
   return out;
 }

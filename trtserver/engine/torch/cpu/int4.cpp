@@ -125,11 +125,14 @@ int64_t check_int4_weights(const Tensor& packed, const Tensor& scales_mins, int6
   return groups * kGroup;
 }
 
-void int4_project_into(const float* xp, int64_t rows, int64_t K, const Tensor& packed, const Tensor& scales_mins,
-                       int64_t N, float* yp, bool accumulate) {
-  const int64_t G = K / kBlock, groups = N / kGroup;
-  std::vector<float> block_sums(rows * G), block_scales(rows * G);
-  std::vector<int16_t> quantized(rows * K);
+void quantize_int4_input(const float* xp, int64_t rows, int64_t K, Int4Input& in) {
+  const int64_t G = K / kBlock;
+  in.x = xp;
+  in.rows = rows;
+  in.K = K;
+  in.block_sums.resize(rows * G);
+  in.block_scales.resize(rows * G);
+  in.quantized.resize(rows * K);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < G; ++g) {
       const float* xb = xp + r * K + g * kBlock;
@@ -138,35 +141,47 @@ void int4_project_into(const float* xp, int64_t rows, int64_t K, const Tensor& p
         sum += xb[j];
         largest = std::max(largest, std::fabs(xb[j]));
       }
-      block_sums[r * G + g] = sum;
+      in.block_sums[r * G + g] = sum;
       // a block below 1e-30 (or NaN) contributes its min term only: 32767 / largest would overflow
       const bool scaled = largest > 1e-30f;
-      block_scales[r * G + g] = scaled ? largest / 32767.f : 0.f;
+      in.block_scales[r * G + g] = scaled ? largest / 32767.f : 0.f;
       const float inverse = scaled ? 32767.f / largest : 0.f;
       for (int64_t j = 0; j < kBlock; ++j) {
         const float q = std::min(32767.f, std::max(-32767.f, std::nearbyint(xb[j] * inverse)));
-        quantized[r * K + g * kBlock + j] = static_cast<int16_t>(q);
+        in.quantized[r * K + g * kBlock + j] = static_cast<int16_t>(q);
       }
     }
   }
+}
+
+void int4_groups(const Int4Input& in, const Tensor& packed, const Tensor& scales_mins, int64_t N, float* yp,
+                 bool accumulate, int64_t g0, int64_t g1) {
+  const int64_t rows = in.rows, K = in.K, G = K / kBlock;
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
   const at::Half* sp = scales_mins.const_data_ptr<at::Half>();
-  // each task takes groups of features for every row: the weights, the bulk of the bytes, are read from memory
-  // once, and a group's stay in cache while four rows at a time pass over them
-  at::parallel_for(0, groups, 8, [&](int64_t g0, int64_t g1) {
-    for (int64_t group = g0; group < g1; ++group) {
-      for (int64_t r = 0; r < rows; r += 4) {
-        const Int4Activations a{xp + r * K, block_sums.data() + r * G, quantized.data() + r * K,
-                                block_scales.data() + r * G};
-        float* yr = yp + r * N;
-        switch (std::min<int64_t>(4, rows - r)) {
-          case 1: int4_group<1>(a, wp, sp, yr, K, N, group, accumulate); break;
-          case 2: int4_group<2>(a, wp, sp, yr, K, N, group, accumulate); break;
-          case 3: int4_group<3>(a, wp, sp, yr, K, N, group, accumulate); break;
-          default: int4_group<4>(a, wp, sp, yr, K, N, group, accumulate); break;
-        }
+  // a group's weights, the bulk of the bytes, are read from memory once, and stay in cache while four rows at a
+  // time pass over them
+  for (int64_t group = g0; group < g1; ++group) {
+    for (int64_t r = 0; r < rows; r += 4) {
+      const Int4Activations a{in.x + r * K, in.block_sums.data() + r * G, in.quantized.data() + r * K,
+                              in.block_scales.data() + r * G};
+      float* yr = yp + r * N;
+      switch (std::min<int64_t>(4, rows - r)) {
+        case 1: int4_group<1>(a, wp, sp, yr, K, N, group, accumulate); break;
+        case 2: int4_group<2>(a, wp, sp, yr, K, N, group, accumulate); break;
+        case 3: int4_group<3>(a, wp, sp, yr, K, N, group, accumulate); break;
+        default: int4_group<4>(a, wp, sp, yr, K, N, group, accumulate); break;
       }
     }
+  }
+}
+
+void int4_project_into(const float* xp, int64_t rows, int64_t K, const Tensor& packed, const Tensor& scales_mins,
+                       int64_t N, float* yp, bool accumulate) {
+  Int4Input in;
+  quantize_int4_input(xp, rows, K, in);
+  at::parallel_for(0, N / kGroup, 8, [&](int64_t g0, int64_t g1) {
+    int4_groups(in, packed, scales_mins, N, yp, accumulate, g0, g1);
   });
 }
 

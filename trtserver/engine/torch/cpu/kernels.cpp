@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "kernel_rows.h"
 #include "vector_exp.h"
 
 #if defined(__AVX512F__)
@@ -233,89 +234,112 @@ Tensor rope_cache(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const
   return q;
 }
 
-// One query row per sequence against its slot's keys 0..position (inclusive), as the small-batch
-// float32 SDPA with its mask: each q head j * g + i reads kv head j. Writes (B, n_heads * head_dim) to op.
-template <typename T>
-void decode_attention_rows(const T* qp, const T* kc, const T* vc, T* op, const int64_t* sp, const int64_t* pp,
-                           int64_t B, int64_t nh, int64_t nkv, int64_t hs, int64_t P, int64_t longest) {
-  const int64_t group = nh / nkv;
-  const float scale = 1.f / std::sqrt(static_cast<float>(hs));
+}  // namespace
+
+namespace trtserver_kernels {
+
+void plan_attention(AttentionWork& w, int64_t B, int64_t nh, int64_t nkv, int64_t hs, int64_t P, int64_t longest,
+                    int64_t threads) {
   // Tasks: (row, kv head, split of the positions); a task's `group` query heads read each key and value row
   // once. Few rows and kv heads would leave threads idle (1 row of SmolLM2: 3 tasks for 2 threads), so the
   // positions are split until there are two tasks per thread, each of at least 64 positions; each split keeps
   // its own maximum, sum and weighted values, merged after (flash-decoding). A few heads over a short context
   // take microseconds: threads only where there is real work.
-  const int64_t pairs = B * nkv;
-  const bool threaded = B * nh * longest * hs >= (1 << 15);
-  const int64_t threads = threaded ? at::get_num_threads() : 1;
-  const int64_t splits = pairs >= 2 * threads ? 1 : std::max<int64_t>(1, std::min((2 * threads + pairs - 1) / pairs,
-                                                                                   longest / 64));
-  const int64_t chunk = (longest + splits - 1) / splits;
-  std::vector<float> part_max(pairs * splits * group), part_sum(pairs * splits * group);
-  std::vector<float> part_acc(pairs * splits * group * hs);
-  auto tasks = [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * chunk), query(group * hs), row(hs);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t pair = task / splits, b = pair / nkv, kv = pair % nkv, n = pp[b] + 1;
-      const int64_t t0 = std::min(n, (task % splits) * chunk), t1 = std::min(n, t0 + chunk);
-      const int64_t base = (sp[b] * nkv + kv) * P * hs;
-      const T* qb = qp + (b * nh + kv * group) * hs;
-      for (int64_t i = 0; i < group * hs; ++i) query[i] = f(qb[i]);
-      int64_t t = t0;
+  w.rows = B, w.n_heads = nh, w.n_kv_heads = nkv, w.head_dim = hs, w.cache_positions = P;
+  w.group = nh / nkv;
+  w.pairs = B * nkv;
+  w.threaded = B * nh * longest * hs >= (1 << 15);
+  const int64_t used = w.threaded ? threads : 1;
+  w.splits = w.pairs >= 2 * used ? 1 : std::max<int64_t>(1, std::min((2 * used + w.pairs - 1) / w.pairs, longest / 64));
+  w.chunk = (longest + w.splits - 1) / w.splits;
+  w.part_max.resize(w.pairs * w.splits * w.group);
+  w.part_sum.resize(w.pairs * w.splits * w.group);
+  w.part_acc.resize(w.pairs * w.splits * w.group * hs);
+}
+
+}  // namespace trtserver_kernels
+
+namespace {
+
+using trtserver_kernels::AttentionWork;
+
+// Tasks [begin, end) of a planned decode attention: one query row per sequence against its slot's keys
+// 0..position (inclusive), as the small-batch float32 SDPA with its mask: each q head j * g + i reads kv head j.
+template <typename T>
+void attention_tasks(AttentionWork& w, const T* qp, const T* kc, const T* vc, const int64_t* sp, const int64_t* pp,
+                     int64_t begin, int64_t end) {
+  const int64_t nh = w.n_heads, nkv = w.n_kv_heads, hs = w.head_dim, P = w.cache_positions, group = w.group;
+  const int64_t splits = w.splits, chunk = w.chunk;
+  const float scale = 1.f / std::sqrt(static_cast<float>(hs));
+  float* part_max = w.part_max.data();
+  float* part_sum = w.part_sum.data();
+  float* part_acc_base = w.part_acc.data();
+  std::vector<float> scores(group * chunk), query(group * hs), row(hs);
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t pair = task / splits, b = pair / nkv, kv = pair % nkv, n = pp[b] + 1;
+    const int64_t t0 = std::min(n, (task % splits) * chunk), t1 = std::min(n, t0 + chunk);
+    const int64_t base = (sp[b] * nkv + kv) * P * hs;
+    const T* qb = qp + (b * nh + kv * group) * hs;
+    for (int64_t i = 0; i < group * hs; ++i) query[i] = f(qb[i]);
+    int64_t t = t0;
 #if defined(__AVX512F__)
-      if constexpr (std::is_same_v<T, BFloat16>) {
-        if (hs % 16 == 0) {  // four keys at a time: four independent sums a query head, reduced together
-          for (; t + 4 <= t1; t += 4) {
-            const BFloat16* k = kc + base + t * hs;
-            for (int64_t j = 0; j < group; ++j) {
-              const __m128 four = dot4(query.data() + j * hs, k, hs);
-              _mm_storeu_ps(scores.data() + j * chunk + t - t0, _mm_mul_ps(four, _mm_set1_ps(scale)));
-            }
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      if (hs % 16 == 0) {  // four keys at a time: four independent sums a query head, reduced together
+        for (; t + 4 <= t1; t += 4) {
+          const BFloat16* k = kc + base + t * hs;
+          for (int64_t j = 0; j < group; ++j) {
+            const __m128 four = dot4(query.data() + j * hs, k, hs);
+            _mm_storeu_ps(scores.data() + j * chunk + t - t0, _mm_mul_ps(four, _mm_set1_ps(scale)));
           }
-        }
-      }
-#endif
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-      if constexpr (std::is_same_v<T, float>) {
-        if (hs % 8 == 0) {  // four keys at a time, as the bfloat16 rows take them with AVX-512
-          for (; t + 4 <= t1; t += 4) {
-            for (int64_t j = 0; j < group; ++j) {
-              const __m128 four = dot4(query.data() + j * hs, kc + base + t * hs, hs);
-              _mm_storeu_ps(scores.data() + j * chunk + t - t0, _mm_mul_ps(four, _mm_set1_ps(scale)));
-            }
-          }
-        }
-      }
-#endif
-      for (; t < t1; ++t) {
-        const float* k = as_float(kc + base + t * hs, hs, row.data());
-        for (int64_t j = 0; j < group; ++j) scores[j * chunk + t - t0] = dot(query.data() + j * hs, k, hs) * scale;
-      }
-      for (int64_t j = 0; j < group; ++j) {
-        float* sj = scores.data() + j * chunk;
-        float best = -INFINITY;
-        for (int64_t t = 0; t < t1 - t0; ++t) best = std::max(best, sj[t]);
-        part_max[task * group + j] = best;  // -inf for an empty split: it weighs nothing in the merge
-        part_sum[task * group + j] = t1 > t0 ? exp_row(sj, t1 - t0, best) : 0.f;
-      }
-      float* acc = part_acc.data() + task * group * hs;
-      std::fill(acc, acc + group * hs, 0.f);
-      for (int64_t t = t0; t < t1; ++t) {
-        const float* v = as_float(vc + base + t * hs, hs, row.data());
-        for (int64_t j = 0; j < group; ++j) {
-          const float p = scores[j * chunk + t - t0];
-          float* aj = acc + j * hs;
-#pragma omp simd
-          for (int64_t i = 0; i < hs; ++i) aj[i] += p * v[i];
         }
       }
     }
-  };
-  if (threaded) {
-    at::parallel_for(0, pairs * splits, 1, tasks);
-  } else {
-    tasks(0, pairs * splits);
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {
+      if (hs % 8 == 0) {  // four keys at a time, as the bfloat16 rows take them with AVX-512
+        for (; t + 4 <= t1; t += 4) {
+          for (int64_t j = 0; j < group; ++j) {
+            const __m128 four = dot4(query.data() + j * hs, kc + base + t * hs, hs);
+            _mm_storeu_ps(scores.data() + j * chunk + t - t0, _mm_mul_ps(four, _mm_set1_ps(scale)));
+          }
+        }
+      }
+    }
+#endif
+    for (; t < t1; ++t) {
+      const float* k = as_float(kc + base + t * hs, hs, row.data());
+      for (int64_t j = 0; j < group; ++j) scores[j * chunk + t - t0] = dot(query.data() + j * hs, k, hs) * scale;
+    }
+    for (int64_t j = 0; j < group; ++j) {
+      float* sj = scores.data() + j * chunk;
+      float best = -INFINITY;
+      for (int64_t t = 0; t < t1 - t0; ++t) best = std::max(best, sj[t]);
+      part_max[task * group + j] = best;  // -inf for an empty split: it weighs nothing in the merge
+      part_sum[task * group + j] = t1 > t0 ? exp_row(sj, t1 - t0, best) : 0.f;
+    }
+    float* acc = part_acc_base + task * group * hs;
+    std::fill(acc, acc + group * hs, 0.f);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* v = as_float(vc + base + t * hs, hs, row.data());
+      for (int64_t j = 0; j < group; ++j) {
+        const float p = scores[j * chunk + t - t0];
+        float* aj = acc + j * hs;
+#pragma omp simd
+        for (int64_t i = 0; i < hs; ++i) aj[i] += p * v[i];
+      }
+    }
   }
+}
+
+// The tasks' partial results merged into op (rows, n_heads * head_dim).
+template <typename T>
+void merge_attention(const AttentionWork& work, T* op) {
+  const int64_t pairs = work.pairs, nkv = work.n_kv_heads, nh = work.n_heads, hs = work.head_dim;
+  const int64_t group = work.group, splits = work.splits;
+  const std::vector<float>& part_max = work.part_max;
+  const std::vector<float>& part_sum = work.part_sum;
+  const std::vector<float>& part_acc = work.part_acc;
   std::vector<float> merged(hs);
   for (int64_t pair = 0; pair < pairs; ++pair) {
     const int64_t b = pair / nkv, kv = pair % nkv;
@@ -334,6 +358,21 @@ void decode_attention_rows(const T* qp, const T* kc, const T* vc, T* op, const i
       for (int64_t i = 0; i < hs; ++i) ob[i] = to<T>(merged[i] / total);
     }
   }
+}
+
+template <typename T>
+void decode_attention_rows(const T* qp, const T* kc, const T* vc, T* op, const int64_t* sp, const int64_t* pp,
+                           int64_t B, int64_t nh, int64_t nkv, int64_t hs, int64_t P, int64_t longest) {
+  AttentionWork w;
+  trtserver_kernels::plan_attention(w, B, nh, nkv, hs, P, longest, at::get_num_threads());
+  if (w.threaded) {
+    at::parallel_for(0, w.tasks(), 1, [&](int64_t begin, int64_t end) {
+      attention_tasks(w, qp, kc, vc, sp, pp, begin, end);
+    });
+  } else {
+    attention_tasks(w, qp, kc, vc, sp, pp, 0, w.tasks());
+  }
+  merge_attention(w, op);
 }
 
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
@@ -380,12 +419,12 @@ void rope_cache_rows(const float* qkv, const float* cos, const float* sin, float
                     cache_positions);
 }
 
-void decode_attention_rows(const float* q, const float* k_cache, const float* v_cache, float* out,
-                           const int64_t* slots, const int64_t* positions, int64_t rows, int64_t n_heads,
-                           int64_t n_kv_heads, int64_t head_dim, int64_t cache_positions, int64_t longest) {
-  ::decode_attention_rows(q, k_cache, v_cache, out, slots, positions, rows, n_heads, n_kv_heads, head_dim,
-                          cache_positions, longest);
+void attention_tasks(AttentionWork& work, const float* q, const float* k_cache, const float* v_cache,
+                     const int64_t* slots, const int64_t* positions, int64_t begin, int64_t end) {
+  ::attention_tasks(work, q, k_cache, v_cache, slots, positions, begin, end);
 }
+
+void merge_attention(const AttentionWork& work, float* out) { ::merge_attention(work, out); }
 
 }  // namespace trtserver_kernels
 
