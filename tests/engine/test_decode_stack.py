@@ -84,5 +84,8 @@ def test_the_stack_refuses_what_it_cannot_read(smol_int4_kernel: Transformer, op
         call(positions=torch.tensor([3, 10_000]))
     with pytest.raises(RuntimeError, match="output features"):
         call(packed=[stack.packed[1], *stack.packed[1:]], scales_mins=[stack.scales[1], *stack.scales[1:]])
+    with pytest.raises(RuntimeError, match="packed must be"):  # a later layer's w2 of another width
+        call(packed=[*stack.packed[:7], stack.packed[1], *stack.packed[8:]],
+             scales_mins=[*stack.scales[:7], stack.scales[1], *stack.scales[8:]])
     with pytest.raises(RuntimeError, match="one 4-d shape"):
         call(v_caches=[cache.v[0][:1], *cache.v[1:]])

@@ -56,24 +56,18 @@ Tensor int4_decode_layers(const Tensor& x, const Tensor& cos, const Tensor& sin,
   TORCH_CHECK(cos.numel() == B * hs && sin.numel() == B * hs, "int4_decode_layers: cos/sin must be (rows, head_dim)");
   TORCH_CHECK(slots.device().is_cpu() && positions.device().is_cpu() && slots.numel() == B && positions.numel() == B,
               "int4_decode_layers: one slot and one position per row, on the CPU");
-  const Tensor slot = slots.to(at::kLong).contiguous(), pos = positions.to(at::kLong).contiguous();
-  const int64_t* sp = slot.const_data_ptr<int64_t>();
-  const int64_t* pp = pos.const_data_ptr<int64_t>();
-  int64_t longest = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(sp[b] >= 0 && sp[b] < first.size(0) && pp[b] >= 0 && pp[b] < P, "int4_decode_layers: row ", b,
-                " points outside the cache");
-    longest = std::max(longest, pp[b] + 1);
-  }
-  int64_t hidden = 0;  // the feed-forward's width, from w2
+  const auto rows = cache_rows(slots, positions, first.size(0), P, "int4_decode_layers");
+  const int64_t* sp = rows.sp;
+  const int64_t* pp = rows.pp;
+  const int64_t longest = rows.longest;
+  // the feed-forward's width, from the first w2; every layer's is checked against it (the buffers' size)
+  TORCH_CHECK(packed[3].dim() == 3 && packed[3].size(1) > 0, "int4_decode_layers: w2 must be int4 (N / 8, K / 32, 128)");
+  const int64_t hidden = packed[3].size(1) * 32;
   for (int64_t l = 0; l < layers; ++l) {
     for (int64_t i = 0; i < 2; ++i) {
       check_activation(norms[2 * l + i], at::kFloat, "int4_decode_layers norm");
       TORCH_CHECK(norms[2 * l + i].numel() == dim, "int4_decode_layers: a norm's weight has dim elements");
     }
-    const Tensor& w2 = packed[4 * l + 3];
-    TORCH_CHECK(w2.dim() == 3 && w2.size(1) > 0, "int4_decode_layers: w2 must be int4 (N / 8, K / 32, 128)");
-    hidden = w2.size(1) * 32;
     const int64_t inputs[4] = {dim, nh * hs, dim, hidden}, outputs[4] = {width, dim, 2 * hidden, dim};
     for (int64_t p = 0; p < 4; ++p) {
       TORCH_CHECK(check_int4_weights(packed[4 * l + p], scales_mins[4 * l + p], inputs[p], "int4_decode_layers") ==

@@ -217,14 +217,9 @@ Tensor rope_cache(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const
   const int64_t B = qkv.size(0), hs = k_cache.size(3), P = k_cache.size(2), nh = n_heads, nkv = n_kv_heads;
   TORCH_CHECK(nh > 0 && hs % 2 == 0 && qkv.size(1) == (nh + 2 * nkv) * hs, "rope_cache: shapes disagree");
   TORCH_CHECK(cos.numel() == B * hs && sin.numel() == B * hs, "rope_cache: cos/sin must be (B, head_dim)");
-  auto slot = slots.to(at::kLong).contiguous();
-  auto pos = positions.to(at::kLong).contiguous();
-  const int64_t* sp = slot.const_data_ptr<int64_t>();
-  const int64_t* pp = pos.const_data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(sp[b] >= 0 && sp[b] < k_cache.size(0) && pp[b] >= 0 && pp[b] < P, "rope_cache: row ", b,
-                " points outside the cache");
-  }
+  const auto rows = trtserver_kernels::cache_rows(slots, positions, k_cache.size(0), P, "rope_cache");
+  const int64_t* sp = rows.sp;
+  const int64_t* pp = rows.pp;
   Tensor q = at::empty({B, nh, hs}, qkv.options());
   ACTIVATIONS(type, "rope_cache", [&] {
     rope_cache_rows(qkv.const_data_ptr<scalar_t>(), cos.const_data_ptr<scalar_t>(), sin.const_data_ptr<scalar_t>(),
@@ -385,16 +380,10 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   check_rows(k_cache, v_cache, slots, positions, q.size(0), k_cache.size(1), "decode_attention");
   const int64_t B = q.size(0), nh = q.size(1), hs = q.size(2), nkv = k_cache.size(1), P = k_cache.size(2);
   TORCH_CHECK(nh % nkv == 0 && k_cache.size(3) == hs, "decode_attention: shapes disagree");
-  auto slot = slots.to(at::kLong).contiguous();
-  auto pos = positions.to(at::kLong).contiguous();
-  const int64_t* sp = slot.const_data_ptr<int64_t>();
-  const int64_t* pp = pos.const_data_ptr<int64_t>();
-  int64_t longest = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(sp[b] >= 0 && sp[b] < k_cache.size(0) && pp[b] >= 0 && pp[b] < P, "decode_attention: row ", b,
-                " points outside the cache");
-    longest = std::max(longest, pp[b] + 1);
-  }
+  const auto rows = trtserver_kernels::cache_rows(slots, positions, k_cache.size(0), P, "decode_attention");
+  const int64_t* sp = rows.sp;
+  const int64_t* pp = rows.pp;
+  const int64_t longest = rows.longest;
   Tensor out = at::empty({B, nh * hs}, q.options());
   ACTIVATIONS(type, "decode_attention", [&] {
     decode_attention_rows(q.const_data_ptr<scalar_t>(), k_cache.const_data_ptr<scalar_t>(),

@@ -3,7 +3,8 @@ as its weights now are, and the call that stands in for the model's forward.
 
 A decode step runs a dozen to ~40 ATen calls per layer on small tensors, and the Python that issues them
 is a large share of a CPU step. TorchScript's interpreter issues the same calls on the same tensors, for
-less (figures in docs/perf-decisions.md). The layers it runs are ``decode_layers.DecodeLayers``.
+less (figures in docs/perf-decisions.md). The layers it runs are ``decode_layers.DecodeLayers``; on a float32
+model's ``int4.cpp`` int4 the step is one C++ call instead (``decode_stack.py``), the same pieces bit for bit.
 
 Prefill stays eager (its GEMMs dwarf the calls), and so do CUDA (it has its graphs) and, on a LoRA
 server, the batches with an adapter (the model runner sends those to the eager layers; its base batches
