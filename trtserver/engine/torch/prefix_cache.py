@@ -147,7 +147,6 @@ class PrefixCache:
                 placement.copies.append((slot, to, len(entry.tokens)))
         return slot
 
-
     def _least_recent(self, avoid: int) -> int | None:
         """The running slot of the least recently used entry, but ``avoid``; None when there is none."""
         candidates = [(e.used, slot) for slot, e in self.entries.items() if slot != avoid]

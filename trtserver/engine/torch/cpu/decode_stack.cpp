@@ -82,8 +82,9 @@ Tensor int4_decode_layers(const Tensor& x, const Tensor& cos, const Tensor& sin,
   const float* snp = sin.const_data_ptr<float>();
   const float epsilon = static_cast<float>(eps);
   Int4Input input;  // the projection's activations, scaled to int16 once for every thread
-  AttentionWork attention;
+  AttentionWork attention;  // every layer's the same split: the rows and their positions are the step's
   const int64_t threads = std::max(1, at::get_num_threads());
+  plan_attention(attention, B, nh, nkv, hs, P, longest, threads);
   // One parallel region for the whole step, the threads meeting at a barrier between the pieces, instead of a
   // region (a fork and a join) for each projection and attention; what one thread does alone is in `single`.
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -112,10 +113,7 @@ Tensor int4_decode_layers(const Tensor& x, const Tensor& cos, const Tensor& sin,
       project(w[0], s[0], width, qkv.data(), false);
 #pragma omp barrier
 #pragma omp single
-      {
-        rope_cache_rows(qkv.data(), cp, snp, q.data(), kc, vc, sp, pp, B, width, nh, nkv, hs, P);
-        plan_attention(attention, B, nh, nkv, hs, P, longest, team);
-      }
+      rope_cache_rows(qkv.data(), cp, snp, q.data(), kc, vc, sp, pp, B, width, nh, nkv, hs, P);
       {
         const auto [t0, t1] = attention.threaded ? share(attention.tasks())
                                                  : std::pair<int64_t, int64_t>{0, thread == 0 ? attention.tasks() : 0};

@@ -19,7 +19,7 @@ void rope_cache_rows(const float* qkv, const float* cos, const float* sin, float
 // row's query heads against its slot's keys 0..position, split by (row, kv head, stretch of positions), each
 // task's partial softmax kept apart until merge_attention.
 struct AttentionWork {
-  int64_t rows = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, cache_positions = 0;
+  int64_t n_heads = 0, n_kv_heads = 0, head_dim = 0, cache_positions = 0;
   int64_t group = 0, pairs = 0, splits = 0, chunk = 0;
   bool threaded = false;  // whether the work is worth more than one thread
   std::vector<float> part_max, part_sum, part_acc;

@@ -240,7 +240,7 @@ void plan_attention(AttentionWork& w, int64_t B, int64_t nh, int64_t nkv, int64_
   // positions are split until there are two tasks per thread, each of at least 64 positions; each split keeps
   // its own maximum, sum and weighted values, merged after (flash-decoding). A few heads over a short context
   // take microseconds: threads only where there is real work.
-  w.rows = B, w.n_heads = nh, w.n_kv_heads = nkv, w.head_dim = hs, w.cache_positions = P;
+  w.n_heads = nh, w.n_kv_heads = nkv, w.head_dim = hs, w.cache_positions = P;
   w.group = nh / nkv;
   w.pairs = B * nkv;
   w.threaded = B * nh * longest * hs >= (1 << 15);
