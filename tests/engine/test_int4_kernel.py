@@ -4,7 +4,6 @@ hold, and the layout ``weights.int4_kernel_layout`` writes for them."""
 from __future__ import annotations
 
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -48,6 +47,23 @@ def test_int4_linear_is_the_matmul_of_its_weights(ops, rows: int) -> None:  # ty
 
 
 @pytest.mark.parametrize("rows", [1, 5])
+def test_int4_linear_gives_each_group_the_same_bits_alone_or_beside_another(ops, rows: int) -> None:  # type: ignore[no-untyped-def]
+    """With AVX-512 neighbouring groups of 8 features go two at a time, and an odd one alone: a group's outputs
+    must not depend on that, so one thread's range of groups gives the bits of each group on its own."""
+    packed, scales_mins, _ = _int4_weights(40, 96)  # five groups: two pairs and one alone on one thread
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(6))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        together = ops.int4_linear(x, packed, scales_mins)
+        alone = [ops.int4_linear(x, packed[g:g + 1].contiguous(), scales_mins[g:g + 1].contiguous())
+                 for g in range(5)]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, torch.cat(alone, dim=1))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
 def test_int4_gated_linear_projects_silu_of_gate_times_up(ops, rows: int) -> None:  # type: ignore[no-untyped-def]
     """The feed-forward's down projection with SiLU(gate) * up formed inside: as the ATen calls then the
     projection, within its exp's rounding; gates far out on either side included."""
@@ -88,8 +104,8 @@ def test_the_int4_kernels_layout_takes_output_features_in_eights() -> None:
     with pytest.raises(ValueError, match="multiples of 8"):
         int4_kernel_layout(q, ones, ones)
     packed, scales_mins = int4_kernel_layout(q[:8], ones[:8], ones[:8] * 2)
-    assert fits_int4_kernel(SimpleNamespace(args=smol_shapes))  # type: ignore[arg-type]
-    assert not fits_int4_kernel(SimpleNamespace(args=replace(smol_shapes, vocab_size=49153)))  # type: ignore[arg-type]
+    assert fits_int4_kernel(smol_shapes)
+    assert not fits_int4_kernel(replace(smol_shapes, vocab_size=49153))
     assert packed.shape == (1, 3, 128) and scales_mins.shape == (1, 3, 2, 8)
     assert scales_mins.dtype == torch.float16
     assert (scales_mins[:, :, 0] == 1).all() and (scales_mins[:, :, 1] == 2).all()

@@ -10,6 +10,8 @@ import torch
 
 from tests.engine.test_torch_engine import PROMPTS, greedy
 from trtserver.engine.torch.engine import TorchEngine
+from trtserver.engine.torch import loader
+from trtserver.engine.torch.cpu import kernels
 from trtserver.engine.torch.loader import pick_cpu_dtype
 
 
@@ -19,8 +21,10 @@ async def test_quantized_weights_still_know_paris(smol_dir, kind: str) -> None: 
                                threads=1)  # the ServerConfig field
     await eng.start()
     try:
-        # int8 runs in bfloat16; int4 in the dtype the CPU decodes fastest (float32 where it has no AVX-512)
-        assert eng.dtype == (torch.bfloat16 if kind == "int8" else pick_cpu_dtype())
+        # int8 runs in bfloat16; int4 in float32 with the engine's own kernel, else in the dtype the CPU decodes
+        # fastest
+        own_kernel = loader.int4_kernel_wins() and kernels.load()
+        assert eng.dtype == (torch.bfloat16 if kind == "int8" else torch.float32 if own_kernel else pick_cpu_dtype())
         assert eng.quantize == kind and eng.core.model_runner.accelerated is not None
         assert "Paris" in eng.tokenizer.decode(await greedy(eng, "The capital of France is", max_tokens=4))
         # two rows at once still take the quantized kernel; the answer stays sensible
@@ -65,10 +69,8 @@ def test_quantization_auto_is_none_without_a_4bit_source(smol_dir, tmp_path) -> 
 
 
 def test_int4_takes_the_fused_kernels_layout_where_it_wins(smol_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from trtserver.engine.torch import loader
-    from trtserver.engine.torch.cpu import kernels
-
-    for flags, wins in (({"avx2", "fma"}, True), ({"avx2", "fma", "avx512f"}, False), (set(), False)):
+    for flags, wins in (({"avx2", "fma"}, True), ({"avx2", "fma", "avx512f", "avx512bw"}, True), ({"avx2"}, False),
+                        (set(), False)):
         monkeypatch.setattr(loader, "_cpu_flags", lambda flags=flags: flags)
         assert loader.int4_kernel_wins() is wins
     monkeypatch.undo()

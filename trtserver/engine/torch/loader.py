@@ -8,6 +8,7 @@ its cache and its adapters made ready as one ``EngineCore``.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import time
@@ -117,16 +118,13 @@ def load(path: Path, config: ServerConfig, placement: Placement, *, eos_token_id
     if threads is not None:
         torch.set_num_threads(threads[0])
     t0 = time.perf_counter()
-    dtype = placement.dtype or pick_cpu_dtype()
+    int4_kernel = placement.quantize == "int4" and device.type == "cpu" and uses_int4_kernel(path, adapters)
+    # the int4 kernel's whole decode step is one call on a float32 model (cpu/decode_stack.py)
+    dtype = placement.dtype or (torch.float32 if int4_kernel else pick_cpu_dtype())
     model = load_model(path, dtype, device)
-    int4_kernel = False
     if placement.quantize is not None:
-        from trtserver.engine.torch.cpu import kernels
-        from trtserver.engine.torch.cpu.weights import fits_int4_kernel, quantize_weights
+        from trtserver.engine.torch.cpu.weights import quantize_weights
 
-        # a LoRA server's base rows take the ATen calls, which read ATen's int4 layout
-        int4_kernel = (placement.quantize == "int4" and device.type == "cpu" and adapters is None
-                       and fits_int4_kernel(model) and int4_kernel_wins() and kernels.load())
         quantize_weights(model, placement.quantize, int4_kernel=int4_kernel)
     elif device.type == "cpu":
         from trtserver.engine.torch.cpu.weights import can_pack_for_cpu, pack_for_cpu
@@ -211,9 +209,21 @@ def _cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def uses_int4_kernel(path: Path, adapters: AdapterRegistry | None) -> bool:
+    """Whether int4 weights take ``int4.cpp``'s kernel here: where it wins, the model's widths fit its groups
+    and the kernels build. A LoRA server's base rows take the ATen calls, which read ATen's int4 layout."""
+    from trtserver.engine.torch.cpu import kernels
+    from trtserver.engine.torch.cpu.weights import fits_int4_kernel
+    from trtserver.engine.torch.model import ModelArgs
+
+    if adapters is not None or not int4_kernel_wins():
+        return False
+    args = ModelArgs.from_hf_config(json.loads((path / "config.json").read_text()))
+    return fits_int4_kernel(args) and kernels.load()
+
+
 def int4_kernel_wins() -> bool:
-    """Where ``int4.cpp``'s int4 beats ATen's: x86-64 with AVX2 and FMA but no AVX-512. With AVX-512,
-    ATen's kernel has code of its own that ours did not beat; elsewhere it is unmeasured."""
-    flags = _cpu_flags()
-    return {"avx2", "fma"} <= flags and "avx512f" not in flags
+    """Where ``int4.cpp``'s int4 beats ATen's: x86-64 with AVX2 and FMA, AVX-512 machines included (its
+    groups go two at a time there; docs/perf-decisions.md); elsewhere it is unmeasured."""
+    return {"avx2", "fma"} <= _cpu_flags()
 

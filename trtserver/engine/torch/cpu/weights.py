@@ -12,7 +12,7 @@ from typing import Union, cast
 import torch
 from torch import Tensor, nn
 
-from trtserver.engine.torch.model import Block, Transformer
+from trtserver.engine.torch.model import Block, ModelArgs, Transformer
 
 
 @dataclass(slots=True)
@@ -77,9 +77,8 @@ def int4_kernel_layout(q: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, T
     return packed, per_group.permute(0, 3, 2, 1).contiguous().to(torch.float16)
 
 
-def fits_int4_kernel(model: Transformer) -> bool:
+def fits_int4_kernel(args: ModelArgs) -> bool:
     """Whether every projection's (and the head's) output features come in ``int4.cpp``'s groups of 8."""
-    args = model.args
     widths = ((args.n_heads + 2 * args.n_kv_heads) * args.head_dim, args.dim, 2 * args.intermediate_size,
               args.vocab_size)
     return all(width % INT4_KERNEL_FEATURES == 0 for width in widths)
