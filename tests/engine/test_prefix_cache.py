@@ -134,7 +134,9 @@ async def test_modes_agree_with_recomputing(engine: TorchEngine, uncached: Torch
     await run(engine, ids, n=n, constraint=constraint, **params)  # fills the cache
     cached = await run(engine, ids, n=n, constraint=constraint, **params)
     fresh = await run(uncached, ids, n=n, constraint=constraint, **params)
-    assert cached.cached == (0 if mode == "seeded" else len(ids) - 1)  # a seeded request recomputes its prompt
+    # a seeded request recomputes its prompt, and so does beam search: a cached prefix's last-bit differences
+    # (positions computed in another chunk shape) swapped two of its near-tied hypotheses
+    assert cached.cached == (0 if mode in ("seeded", "beam") else len(ids) - 1)
     same(cached, fresh)
     if mode == "beam":
         for index, score in fresh.cumulative.items():

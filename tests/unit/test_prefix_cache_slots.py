@@ -58,6 +58,20 @@ def test_a_partial_match_is_copied_and_the_entry_kept_whole() -> None:
     assert 1 in cache.entries  # the document and its first question stay for the next one
 
 
+def test_a_match_covering_most_of_an_entry_takes_its_slot_and_gives_up_the_rest() -> None:
+    """A document's next question shares all of the last one's entry but its question and answer: the request runs
+    in that slot, with no copy; a match of less than ``CLAIM_SHARE`` of the entry still copies."""
+    document = list(range(100, 130))
+    cache = cache_with(3, {1: document + [7, 8, 9, 10]})  # 30 of its 34 tokens are the document
+    placement = cache.place(1, document + [5, 6], None, reuse=True)
+    assert placement.slots == [1] and placement.cached == 30 and placement.copies == []
+    assert 1 not in cache.entries
+    cache = cache_with(3, {1: document[:20] + list(range(200, 230))})  # 20 of 50 shared: copied
+    placement = cache.place(1, document + [5, 6], None, reuse=True)
+    assert placement.slots == [0] and placement.cached == 20 and placement.copies == [(1, 0, 20)]
+    assert 1 in cache.entries
+
+
 def test_no_shared_token_means_no_reuse_and_the_lowest_empty_slot() -> None:
     cache = cache_with(3, {2: [1, 2, 3]})
     placement = cache.place(1, [7, 2, 3], None, reuse=True)
@@ -216,13 +230,13 @@ def test_the_next_copy_target_is_the_slot_a_copy_would_take_as_far_as_one_could_
     assert s.next_copy_target() == (1, 42)
     s.prefilled(step.prefill[0])  # computed: decoding now
     for seq in s.running:
-        seq.output_ids, seq.num_cached = [7] * 8, 50
-    assert s.next_copy_target() == (1, 50)
-    finish_all(s)  # slot 0 is an entry of 50 tokens
+        seq.output_ids, seq.num_cached = [7] * 20, 62
+    assert s.next_copy_target() == (1, 62)
+    finish_all(s)  # slot 0 is an entry of 62 tokens, 40 of them the document: too few to take the slot
     s.add(request_group("b", doc + [9]))
     copies, _ = run_step(s)
     assert copies == [(0, s.groups["b"].prefill_slot, 40)] == [(0, 1, 40)]  # where the target said
-    assert s.next_copy_target() == (0, 50)  # no empty slot left: the least recently used entry's
+    assert s.next_copy_target() == (0, 62)  # no empty slot left: the least recently used entry's
     s.add(request_group("c", [5, 6, 7]))
     run_step(s)
     assert s.next_copy_target() is None  # every running slot taken

@@ -4,7 +4,10 @@ The cache is a fixed set of slots, each one sequence's K/V from position 0 (``ca
 prefixes are shared as llama.cpp's server shares them: a finished sequence's slot keeps its K/V and
 the tokens they stand for (an *entry*), and a new prompt starts from the longest prefix it shares
 with an entry or with a running request's prompt. A prompt that extends a whole entry takes its slot
-as it is; a shorter match is copied into the request's own slot, so the entry stays whole.
+as it is, and so does one sharing at least ``CLAIM_SHARE`` of it (a document's next question: its
+entry's last question and answer are given up, as llama.cpp's server gives them up, rather than the
+shared part copied, which would be most of the hit's time to first token); a shorter match is copied
+into the request's own slot, so the entry stays whole.
 
 Running sequences use only the first ``num_slots`` slots (a full batch then reads the cache through
 one view); entries live in those of them that are free and in ``stash_slots`` more. A free slot is
@@ -22,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 MIN_STASHED = 32  # shorter entries are cheaper to recompute than to keep
+CLAIM_SHARE = 0.75  # a match covering this share of an entry takes the entry's slot instead of a copy
 
 
 @dataclass(slots=True)
@@ -68,23 +72,25 @@ class PrefixCache:
     def place(self, count: int, prompt: list[int], adapter: str | None, *, reuse: bool,
               held: Iterable[Source] = ()) -> Placement:
         """Take ``count`` free slots for a request with ``prompt`` (the caller checked there are that many)."""
-        best, source, whole = 0, -1, False
+        best, source, claim = 0, -1, False
         if self.enabled and reuse:
             limit = len(prompt) - 1  # the last prompt token is always computed: its logits start decoding
             for slot, candidate in itertools.chain(self.entries.items(), self.stash.items()):
                 if candidate.adapter == adapter:
                     shared = common_prefix(candidate.tokens, prompt, len(prompt))
-                    n, covers = min(shared, limit), shared >= len(candidate.tokens) and slot in self.entries
-                    if n > best or (n == best and covers and not whole):
-                        best, source, whole = n, slot, covers
+                    n = min(shared, limit)
+                    takes = slot in self.entries and (shared >= len(candidate.tokens)
+                                                      or n >= CLAIM_SHARE * len(candidate.tokens))
+                    if n > best or (n == best and takes and not claim):
+                        best, source, claim = n, slot, takes
             for s in held:
                 if s.adapter == adapter:
                     n = common_prefix(s.tokens, prompt, min(limit, s.valid))
                     if n > best:
-                        best, source, whole = n, s.slot, False
+                        best, source, claim = n, s.slot, False
         placement = Placement(cached=best)
         entry = self.entries.get(source) if best else None
-        if entry is not None and whole:  # the prompt starts with the whole entry: it runs in that slot
+        if entry is not None and claim:  # the prompt starts with (nearly) the whole entry: it runs in that slot
             del self.entries[source]
             placement.slots.append(source)
         else:

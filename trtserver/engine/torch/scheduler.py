@@ -156,8 +156,10 @@ class Scheduler:
             heapq.heappop(self.waiting)
             request = group.request
             # prompt scoring needs every prompt position computed; a seed asks for the text its prompt alone
-            # gives: a prefix computed in another chunk shape can differ by rounding, and move a sample
-            reuse = group.prompt_token_logprobs is None and request.sampling.seed is None
+            # gives: a prefix computed in another chunk shape can differ by rounding, and move a sample; beam
+            # search ranks sums of many candidates, and such a difference swaps two near-tied hypotheses
+            p = request.sampling
+            reuse = group.prompt_token_logprobs is None and p.seed is None and not p.use_beam_search
             placement = self.prefix.place(len(live), request.prompt_token_ids, request.adapter, reuse=reuse,
                                           held=self._sources())
             for seq, slot in zip(live, placement.slots):
