@@ -47,23 +47,6 @@ def test_int4_linear_is_the_matmul_of_its_weights(ops, rows: int) -> None:  # ty
 
 
 @pytest.mark.parametrize("rows", [1, 5])
-def test_int4_linear_gives_each_group_the_same_bits_alone_or_beside_another(ops, rows: int) -> None:  # type: ignore[no-untyped-def]
-    """With AVX-512 neighbouring groups of 8 features go two at a time, and an odd one alone: a group's outputs
-    must not depend on that, so one thread's range of groups gives the bits of each group on its own."""
-    packed, scales_mins, _ = _int4_weights(40, 96)  # five groups: two pairs and one alone on one thread
-    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(6))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        together = ops.int4_linear(x, packed, scales_mins)
-        alone = [ops.int4_linear(x, packed[g:g + 1].contiguous(), scales_mins[g:g + 1].contiguous())
-                 for g in range(5)]
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(together, torch.cat(alone, dim=1))
-
-
-@pytest.mark.parametrize("rows", [1, 5])
 def test_int4_gated_linear_projects_silu_of_gate_times_up(ops, rows: int) -> None:  # type: ignore[no-untyped-def]
     """The feed-forward's down projection with SiLU(gate) * up formed inside: as the ATen calls then the
     projection, within its exp's rounding; gates far out on either side included."""

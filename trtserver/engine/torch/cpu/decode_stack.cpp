@@ -96,13 +96,12 @@ Tensor int4_decode_layers(const Tensor& x, const Tensor& cos, const Tensor& sin,
 #endif
     // this thread's share of the attention's n tasks
     const auto share = [&](int64_t n) { return std::pair<int64_t, int64_t>{n * thread / team, n * (thread + 1) / team}; };
-    // A projection's groups go to the threads as they come for them, in pairs (int4.cpp takes neighbouring groups
-    // two at a time), so that a thread the OS preempts (for the server's event loop, a client, a neighbour)
-    // leaves the rest of its share to the other instead of holding it at the barrier.
+    // A projection's groups of 8 features go to the threads as they come for them, so that a thread the OS
+    // preempts (for the server's event loop, a client, a neighbour) leaves the rest of its share to the other
+    // instead of holding it at the barrier.
     const auto project = [&](const Tensor& w, const Tensor& s, int64_t N, float* y, bool accumulate) {
-      const int64_t groups = N / 8, pairs = (groups + 1) / 2;
-#pragma omp for schedule(guided, 4) nowait
-      for (int64_t p = 0; p < pairs; ++p) int4_groups(input, w, s, N, y, accumulate, 2 * p, std::min(groups, 2 * p + 2));
+#pragma omp for schedule(guided, 8) nowait
+      for (int64_t g = 0; g < N / 8; ++g) int4_groups(input, w, s, N, y, accumulate, g, g + 1);
     };
     for (int64_t l = 0; l < layers; ++l) {
       float* kc = k_caches[l].mutable_data_ptr<float>();

@@ -11,7 +11,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "checks.h"
@@ -43,6 +42,64 @@ struct Int4Activations {
   const float* block_scales; // (rows, K / 32)
 };
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// Block g's integer dot products of one group for R rows: feature f's in lane f of dot[r].
+template <int R>
+void block_dots(const Int4Activations& a, const uint8_t* w, int64_t K, int64_t g, __m256i* dot) {
+  const __m256i nibble = _mm256_set1_epi16(0x0F);
+  for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+  for (int p = 0; p < 8; ++p) {
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + p * 16)));
+    const __m256i low = _mm256_and_si256(bytes, nibble), high = _mm256_srli_epi16(bytes, 4);
+    for (int r = 0; r < R; ++r) {
+      const int16_t* xq = a.quantized + r * K + g * kBlock + 2 * p;
+      int32_t pair_low, pair_high;  // (x[k], x[k + 1]) as one int32, broadcast to the 8 features' lanes
+      std::memcpy(&pair_low, xq, 4);
+      std::memcpy(&pair_high, xq + 16, 4);
+      dot[r] = _mm256_add_epi32(dot[r], _mm256_add_epi32(_mm256_madd_epi16(low, _mm256_set1_epi32(pair_low)),
+                                                         _mm256_madd_epi16(high, _mm256_set1_epi32(pair_high))));
+    }
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// block_dots two chunks at a time in 512 bits: chunk 2q's sums in lanes 0-7 and chunk 2q + 1's in lanes 8-15, each
+// half against its own pair of activations (vpermd from the block's 16 pairs), the halves added at the end. The
+// same integers in half the instructions; for two rows or more (one row is bound by reading the weights, and the
+// 256-bit loop measured faster there).
+template <int R>
+void block_dots_wide(const Int4Activations& a, const uint8_t* w, int64_t K, int64_t g, __m256i* dot) {
+  const __m512i nibble = _mm512_set1_epi16(0x0F);
+  __m512i wide[R], xs[R];
+  for (int r = 0; r < R; ++r) {
+    wide[r] = _mm512_setzero_si512();
+    xs[r] = _mm512_loadu_si512(a.quantized + r * K + g * kBlock);  // (x[2j], x[2j + 1]) as int32 j
+  }
+  for (int q = 0; q < 4; ++q) {
+    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * 32)));
+    const __m512i low = _mm512_and_si512(bytes, nibble), high = _mm512_srli_epi16(bytes, 4);
+    const __m512i pick_low = _mm512_set_epi32(2 * q + 1, 2 * q + 1, 2 * q + 1, 2 * q + 1, 2 * q + 1, 2 * q + 1,
+                                              2 * q + 1, 2 * q + 1, 2 * q, 2 * q, 2 * q, 2 * q, 2 * q, 2 * q, 2 * q,
+                                              2 * q);
+    const __m512i pick_high = _mm512_add_epi32(pick_low, _mm512_set1_epi32(8));  // k + 16
+    for (int r = 0; r < R; ++r) {
+      const __m512i x_low = _mm512_permutexvar_epi32(pick_low, xs[r]);
+      const __m512i x_high = _mm512_permutexvar_epi32(pick_high, xs[r]);
+#if defined(__AVX512VNNI__)
+      wide[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(wide[r], low, x_low), high, x_high);
+#else
+      wide[r] = _mm512_add_epi32(wide[r], _mm512_add_epi32(_mm512_madd_epi16(low, x_low),
+                                                           _mm512_madd_epi16(high, x_high)));
+#endif
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    dot[r] = _mm256_add_epi32(_mm512_castsi512_si256(wide[r]), _mm512_extracti64x4_epi64(wide[r], 1));
+  }
+}
+#endif
+#endif
+
 // One group of 8 features for R rows.
 template <int R>
 void int4_group(const Int4Activations& a, const uint8_t* packed, const at::Half* scales_mins, float* y, int64_t K,
@@ -53,22 +110,17 @@ void int4_group(const Int4Activations& a, const uint8_t* packed, const at::Half*
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i nibble = _mm256_set1_epi16(0x0F);
   for (int64_t g = 0; g < G; ++g) {
     __m256i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
-    for (int p = 0; p < 8; ++p) {
-      const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + p * 16)));
-      const __m256i low = _mm256_and_si256(bytes, nibble), high = _mm256_srli_epi16(bytes, 4);
-      for (int r = 0; r < R; ++r) {
-        const int16_t* xq = a.quantized + r * K + g * kBlock + 2 * p;
-        int32_t pair_low, pair_high;  // (x[k], x[k + 1]) as one int32, broadcast to the 8 features' lanes
-        std::memcpy(&pair_low, xq, 4);
-        std::memcpy(&pair_high, xq + 16, 4);
-        dot[r] = _mm256_add_epi32(dot[r], _mm256_add_epi32(_mm256_madd_epi16(low, _mm256_set1_epi32(pair_low)),
-                                                           _mm256_madd_epi16(high, _mm256_set1_epi32(pair_high))));
-      }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if constexpr (R > 1) {
+      block_dots_wide<R>(a, w, K, g, dot);
+    } else {
+      block_dots<R>(a, w, K, g, dot);
     }
+#else
+    block_dots<R>(a, w, K, g, dot);
+#endif
     const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm)));
     const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + kGroup)));
     for (int r = 0; r < R; ++r) {
@@ -108,63 +160,6 @@ void int4_group(const Int4Activations& a, const uint8_t* packed, const at::Half*
   }
 #endif
 }
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// Two neighbouring groups of 8 features for R rows in the 16 lanes of a 512-bit register: the same integer dot
-// products and the same float operations lane by lane as int4_group, so the same bits, in half the instructions.
-template <int R>
-void int4_group_pair(const Int4Activations& a, const uint8_t* packed, const at::Half* scales_mins, float* y,
-                     int64_t K, int64_t N, int64_t group, bool accumulate) {
-  const int64_t G = K / kBlock;
-  const uint8_t* w = packed + group * G * kBlockBytes;
-  const uint8_t* w_next = w + G * kBlockBytes;
-  const at::Half* sm = scales_mins + group * G * 2 * kGroup;
-  const at::Half* sm_next = sm + G * 2 * kGroup;
-  const auto both = [](const void* first, const void* second) {  // two 16-byte rows, one per group, as one
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(static_cast<const __m128i*>(first))),
-                                   _mm_loadu_si128(static_cast<const __m128i*>(second)), 1);
-  };
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i nibble = _mm512_set1_epi16(0x0F);
-  for (int64_t g = 0; g < G; ++g) {
-    __m512i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
-    for (int p = 0; p < 8; ++p) {
-      const __m512i bytes = _mm512_cvtepu8_epi16(both(w + p * 16, w_next + p * 16));
-      const __m512i low = _mm512_and_si512(bytes, nibble), high = _mm512_srli_epi16(bytes, 4);
-      for (int r = 0; r < R; ++r) {
-        const int16_t* xq = a.quantized + r * K + g * kBlock + 2 * p;
-        int32_t pair_low, pair_high;
-        std::memcpy(&pair_low, xq, 4);
-        std::memcpy(&pair_high, xq + 16, 4);
-#if defined(__AVX512VNNI__)
-        dot[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(dot[r], low, _mm512_set1_epi32(pair_low)), high,
-                                     _mm512_set1_epi32(pair_high));
-#else
-        dot[r] = _mm512_add_epi32(dot[r], _mm512_add_epi32(_mm512_madd_epi16(low, _mm512_set1_epi32(pair_low)),
-                                                           _mm512_madd_epi16(high, _mm512_set1_epi32(pair_high))));
-#endif
-      }
-    }
-    const __m512 scales = _mm512_cvtph_ps(both(sm, sm_next));
-    const __m512 mins = _mm512_cvtph_ps(both(sm + kGroup, sm_next + kGroup));
-    for (int r = 0; r < R; ++r) {
-      const __m512 scale = _mm512_mul_ps(scales, _mm512_set1_ps(a.block_scales[r * G + g]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), scale, acc[r]);
-      acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.block_sums[r * G + g]), acc[r]);
-    }
-    w += kBlockBytes;
-    w_next += kBlockBytes;
-    sm += 2 * kGroup;
-    sm_next += 2 * kGroup;
-  }
-  for (int r = 0; r < R; ++r) {
-    float* yr = y + r * N + group * kGroup;  // the two groups' outputs are neighbours
-    _mm512_storeu_ps(yr, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yr), acc[r]) : acc[r]);
-  }
-}
-#endif
 
 }  // namespace
 
@@ -217,35 +212,20 @@ void int4_groups(const Int4Input& in, const Tensor& packed, const Tensor& scales
   const int64_t rows = in.rows, K = in.K, G = K / kBlock;
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
   const at::Half* sp = scales_mins.const_data_ptr<at::Half>();
-  // kernel(rows, activations, y) for each pass of up to four rows, `rows` a std::integral_constant
-  const auto in_passes = [&](const auto& kernel) {
+  // a group's weights, the bulk of the bytes, are read from memory once, and stay in cache while four rows at a
+  // time pass over them
+  for (int64_t group = g0; group < g1; ++group) {
     for (int64_t r = 0; r < rows; r += 4) {
       const Int4Activations a{in.x + r * K, in.block_sums.data() + r * G, in.quantized.data() + r * K,
                               in.block_scales.data() + r * G};
       float* yr = yp + r * N;
       switch (std::min<int64_t>(4, rows - r)) {
-        case 1: kernel(std::integral_constant<int, 1>{}, a, yr); break;
-        case 2: kernel(std::integral_constant<int, 2>{}, a, yr); break;
-        case 3: kernel(std::integral_constant<int, 3>{}, a, yr); break;
-        default: kernel(std::integral_constant<int, 4>{}, a, yr); break;
+        case 1: int4_group<1>(a, wp, sp, yr, K, N, group, accumulate); break;
+        case 2: int4_group<2>(a, wp, sp, yr, K, N, group, accumulate); break;
+        case 3: int4_group<3>(a, wp, sp, yr, K, N, group, accumulate); break;
+        default: int4_group<4>(a, wp, sp, yr, K, N, group, accumulate); break;
       }
     }
-  };
-  // a group's weights, the bulk of the bytes, are read from memory once, and stay in cache while four rows at a
-  // time pass over them
-  for (int64_t group = g0; group < g1; ++group) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (group + 1 < g1) {
-      in_passes([&](auto R, const Int4Activations& a, float* yr) {
-        int4_group_pair<decltype(R)::value>(a, wp, sp, yr, K, N, group, accumulate);
-      });
-      ++group;
-      continue;
-    }
-#endif
-    in_passes([&](auto R, const Int4Activations& a, float* yr) {
-      int4_group<decltype(R)::value>(a, wp, sp, yr, K, N, group, accumulate);
-    });
   }
 }
 
