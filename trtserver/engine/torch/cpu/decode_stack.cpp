@@ -76,17 +76,17 @@ Tensor int4_decode_layers(const Tensor& x, const Tensor& cos, const Tensor& sin,
   }
   Tensor out = x.clone();
   float* h = out.mutable_data_ptr<float>();
-  std::vector<float> normed(B * dim), qkv(B * width), q(B * nh * hs), attended(B * nh * hs), gate_up(B * 2 * hidden),
-      gated(B * hidden);
+  std::vector<float> qkv(B * width), q(B * nh * hs), gate_up(B * 2 * hidden);
   const float* cp = cos.const_data_ptr<float>();
   const float* snp = sin.const_data_ptr<float>();
   const float epsilon = static_cast<float>(eps);
-  Int4Input input;  // the projection's activations, scaled to int16 once for every thread
   AttentionWork attention;  // every layer's the same split: the rows and their positions are the step's
   const int64_t threads = std::max(1, at::get_num_threads());
   plan_attention(attention, B, nh, nkv, hs, P, longest, threads);
   // One parallel region for the whole step, the threads meeting at a barrier between the pieces, instead of a
-  // region (a fork and a join) for each projection and attention; what one thread does alone is in `single`.
+  // region (a fork and a join) for each projection and attention. What a projection reads (a norm, the attention's
+  // merge, SiLU x up, and their scaling to int16) every thread computes for itself, the same bits on each: a few
+  // microseconds, where one thread doing it for the others would cost a barrier more.
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #if defined(_OPENMP)
@@ -96,6 +96,8 @@ Tensor int4_decode_layers(const Tensor& x, const Tensor& cos, const Tensor& sin,
 #endif
     // this thread's share of the attention's n tasks
     const auto share = [&](int64_t n) { return std::pair<int64_t, int64_t>{n * thread / team, n * (thread + 1) / team}; };
+    std::vector<float> normed(B * dim), attended(B * nh * hs), gated(B * hidden);  // this thread's
+    Int4Input input;  // this thread's copy of the projection's activations, scaled to int16
     // A projection's groups of 8 features go to the threads as they come for them, so that a thread the OS
     // preempts (for the server's event loop, a client, a neighbour) leaves the rest of its share to the other
     // instead of holding it at the barrier.
@@ -108,11 +110,8 @@ Tensor int4_decode_layers(const Tensor& x, const Tensor& cos, const Tensor& sin,
       float* vc = v_caches[l].mutable_data_ptr<float>();
       const Tensor* w = &packed[4 * l];
       const Tensor* s = &scales_mins[4 * l];
-#pragma omp single
-      {
-        rms_norm_rows(h, norms[2 * l].const_data_ptr<float>(), normed.data(), B, dim, epsilon);
-        quantize_int4_input(normed.data(), B, dim, input);
-      }
+      rms_norm_rows(h, norms[2 * l].const_data_ptr<float>(), normed.data(), B, dim, epsilon);
+      quantize_int4_input(normed.data(), B, dim, input);
       project(w[0], s[0], width, qkv.data(), false);
 #pragma omp barrier
 #pragma omp single
@@ -123,25 +122,16 @@ Tensor int4_decode_layers(const Tensor& x, const Tensor& cos, const Tensor& sin,
         attention_tasks(attention, q.data(), kc, vc, sp, pp, t0, t1);
       }
 #pragma omp barrier
-#pragma omp single
-      {
-        merge_attention(attention, attended.data());
-        quantize_int4_input(attended.data(), B, nh * hs, input);
-      }
+      merge_attention(attention, attended.data());
+      quantize_int4_input(attended.data(), B, nh * hs, input);
       project(w[1], s[1], dim, h, true);  // h + wo(attention)
 #pragma omp barrier
-#pragma omp single
-      {
-        rms_norm_rows(h, norms[2 * l + 1].const_data_ptr<float>(), normed.data(), B, dim, epsilon);
-        quantize_int4_input(normed.data(), B, dim, input);
-      }
+      rms_norm_rows(h, norms[2 * l + 1].const_data_ptr<float>(), normed.data(), B, dim, epsilon);
+      quantize_int4_input(normed.data(), B, dim, input);
       project(w[2], s[2], 2 * hidden, gate_up.data(), false);
 #pragma omp barrier
-#pragma omp single
-      {
-        silu_times_up(gate_up.data(), B, hidden, gated.data());
-        quantize_int4_input(gated.data(), B, hidden, input);
-      }
+      silu_times_up(gate_up.data(), B, hidden, gated.data());
+      quantize_int4_input(gated.data(), B, hidden, input);
       project(w[3], s[3], dim, h, true);  // h + w2(SiLU(gate) * up)
 #pragma omp barrier
     }
