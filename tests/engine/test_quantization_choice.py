@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from tests.engine.test_torch_engine import PROMPTS, greedy
-from tests.support import NEEDS_BF16_PACKING
+from trtserver.engine.torch.engine import TorchEngine
 from trtserver.engine.torch import loader
 from trtserver.engine.torch.cpu import kernels
-from trtserver.engine.torch.engine import TorchEngine
 from trtserver.engine.torch.loader import pick_cpu_dtype
 
 
@@ -83,35 +82,3 @@ def test_int4_takes_the_fused_kernels_layout_where_it_wins(smol_dir, monkeypatch
     assert projection.kernel_layout is head.kernel_layout is (loader.int4_kernel_wins() and kernels.load())
     # the engine's own int4 kernel beats the float32 weights at every decode batch size, ATen's up to 4 rows
     assert eng.core.model_runner.small_batch == (32 if projection.kernel_layout else 4)
-
-
-@pytest.mark.parametrize("dtype", ["auto", "float32"])
-def test_the_int4_kernels_float32_model_prefills_in_bfloat16_where_the_cpu_has_it(smol_dir, dtype: str) -> None:  # type: ignore[no-untyped-def]
-    """With ``--dtype auto`` the float32 model chosen for the int4 kernel keeps its prefill copies in bfloat16 where
-    the CPU has native bf16 dot products; ``--dtype float32`` asks for full precision and keeps float32 ones."""
-    from trtserver.engine.torch.cpu.weights import Bf16PackedLinear, PackedLinear, can_pack_for_cpu
-
-    eng = TorchEngine.from_dir(smol_dir, device="cpu", dtype=dtype, quantization="int4", max_batch_size=2,
-                               max_model_len=64, threads=1)
-    eng.load()
-    assert eng.core is not None
-    projection, head = eng.core.model.layers[0].attention.wqkv, eng.core.model.output
-    bf16 = (dtype == "auto" and projection.kernel_layout and eng.dtype == torch.float32
-            and loader._cpu_has_bf16() and can_pack_for_cpu(torch.bfloat16))
-    for module in (projection, head):
-        assert isinstance(module.dense, Bf16PackedLinear if bf16 else PackedLinear)
-
-
-@NEEDS_BF16_PACKING
-def test_a_bfloat16_prefill_copy_is_the_linear_in_bfloat16_widened() -> None:
-    from trtserver.engine.torch.cpu.weights import Bf16PackedLinear
-
-    g = torch.Generator().manual_seed(3)
-    linear = torch.nn.Linear(96, 40, bias=True)
-    x = torch.randn(2, 5, 96, generator=g)
-    with torch.inference_mode():
-        got = Bf16PackedLinear(linear)(x)
-        want = torch.nn.functional.linear(x.bfloat16(), linear.weight.bfloat16(), linear.bias.bfloat16())
-    assert got.dtype == torch.float32 and got.shape == (2, 5, 40)
-    torch.testing.assert_close(got, want.float(), rtol=2e-2, atol=2e-2)
-    assert not torch.equal(got, linear(x))  # rounded: not the float32 layer's bits

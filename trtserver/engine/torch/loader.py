@@ -123,12 +123,9 @@ def load(path: Path, config: ServerConfig, placement: Placement, *, eos_token_id
     dtype = placement.dtype or (torch.float32 if int4_kernel else pick_cpu_dtype())
     model = load_model(path, dtype, device)
     if placement.quantize is not None:
-        from trtserver.engine.torch.cpu.weights import can_pack_for_cpu, quantize_weights
+        from trtserver.engine.torch.cpu.weights import quantize_weights
 
-        # the float32 model chosen for the int4 kernel's decode prefills in bfloat16 where the CPU has it natively
-        prefill_bf16 = (int4_kernel and placement.dtype is None and _cpu_has_bf16()
-                        and can_pack_for_cpu(torch.bfloat16))
-        quantize_weights(model, placement.quantize, int4_kernel=int4_kernel, prefill_bf16=prefill_bf16)
+        quantize_weights(model, placement.quantize, int4_kernel=int4_kernel)
     elif device.type == "cpu":
         from trtserver.engine.torch.cpu.weights import can_pack_for_cpu, pack_for_cpu
 

@@ -104,21 +104,6 @@ class PackedLinear(nn.Module):
         return packed_linear(x, self.packed, self.bias)
 
 
-class Bf16PackedLinear(nn.Module):
-    """A float32 model's linear layer for prefill where the CPU has native bfloat16 dot products: the weight
-    pre-packed in bfloat16, the activations rounded to bfloat16 for the GEMM, its result widened again. Prefill
-    GEMMs are bound by arithmetic, which bfloat16 doubles, and read half the bytes."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(torch.bfloat16))
-        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
-        self.out_features = linear.out_features
-
-    def forward(self, x: Tensor) -> Tensor:
-        return packed_linear(x.to(torch.bfloat16), self.packed, self.bias).to(x.dtype)
-
-
 def can_pack_for_cpu(dtype: torch.dtype = torch.float32) -> bool:
     """oneDNN packs float32 on any x86-64 CPU, bfloat16 only where the CPU has AVX-512 (or AVX-NE-CONVERT)."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
@@ -154,11 +139,9 @@ class Int4Linear(nn.Module):
 
     GROUP = 32
 
-    def __init__(self, linear: nn.Linear, kernels: KernelSwitch, *, kernel_layout: bool = False,
-                 prefill_bf16: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, kernels: KernelSwitch, *, kernel_layout: bool = False) -> None:
         """``kernel_layout``: the weights in the layout of ``int4.cpp``'s ``int4_linear`` (loaded), which
-        reads the activations at 16 bits; else in ATen's, whose kernel takes them in bfloat16.
-        ``prefill_bf16``: the copy for prefill in bfloat16 (``Bf16PackedLinear``; a float32 model)."""
+        reads the activations at 16 bits; else in ATen's, whose kernel takes them in bfloat16."""
         super().__init__()
         self.kernels = kernels
         w = linear.weight.detach()
@@ -178,8 +161,7 @@ class Int4Linear(nn.Module):
                 .contiguous().to(torch.bfloat16)  # (K / g, N, 2)
         self.bias = linear.bias
         self.out_features = N
-        self.dense: nn.Module = Bf16PackedLinear(linear) if prefill_bf16 else PackedLinear(linear) \
-            if can_pack_for_cpu(linear.weight.dtype) else linear
+        self.dense: nn.Module = PackedLinear(linear) if can_pack_for_cpu(linear.weight.dtype) else linear
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.kernels.small:
@@ -198,9 +180,8 @@ class Int4Head(Int4Linear):
 
     REFINE = 256
 
-    def __init__(self, linear: nn.Linear, kernels: KernelSwitch, *, kernel_layout: bool = False,
-                 prefill_bf16: bool = False) -> None:
-        super().__init__(linear, kernels, kernel_layout=kernel_layout, prefill_bf16=prefill_bf16)
+    def __init__(self, linear: nn.Linear, kernels: KernelSwitch, *, kernel_layout: bool = False) -> None:
+        super().__init__(linear, kernels, kernel_layout=kernel_layout)
         self.weight = linear.weight  # (V, dim); shared with the embedding table when tied
 
     def forward(self, x: Tensor) -> Tensor:
@@ -247,14 +228,12 @@ class Int8Linear(nn.Module):
         return int8_linear(_as_rows(x), self.q, self.scale, self.bias).view(*x.shape[:-1], self.out_features)
 
 
-def quantize_weights(model: Transformer, kind: str, *, int4_kernel: bool = False,
-                     prefill_bf16: bool = False) -> KernelSwitch:
+def quantize_weights(model: Transformer, kind: str, *, int4_kernel: bool = False) -> KernelSwitch:
     """Give every projection (and, for int4, the output head) a weight-only int8 / int4 copy for
     decode (CPU, bfloat16 only). int8 leaves the output head in bfloat16: on the head's matrix the
     int8 kernel is no faster than the pre-packed bf16 GEMM. ``int4_kernel``: int4 in the layout of the
-    loaded ``int4.cpp`` (``Int4Linear``). ``prefill_bf16`` (int4, a float32 model): prefill's copies in
-    bfloat16 (``Bf16PackedLinear``). Returns the projections' shared switch (``kernel_switch`` finds it
-    again)."""
+    loaded ``int4.cpp`` (``Int4Linear``). Returns the projections' shared switch (``kernel_switch``
+    finds it again)."""
     weight = model.tok_embeddings.weight
     dtypes = (torch.bfloat16, torch.float32) if kind == "int4" else (torch.bfloat16,)
     if weight.dtype not in dtypes or weight.device.type != "cpu":
@@ -266,7 +245,7 @@ def quantize_weights(model: Transformer, kind: str, *, int4_kernel: bool = False
 
     def quantized(linear: nn.Module) -> nn.Module:
         if kind == "int4":
-            return Int4Linear(_linear(linear), k, kernel_layout=int4_kernel, prefill_bf16=prefill_bf16)
+            return Int4Linear(_linear(linear), k, kernel_layout=int4_kernel)
         return Int8Linear(_linear(linear), k)
 
     for layer in cast("list[Block]", model.layers):
@@ -275,8 +254,7 @@ def quantize_weights(model: Transformer, kind: str, *, int4_kernel: bool = False
         layer.feed_forward.w13 = quantized(layer.feed_forward.w13)
         layer.feed_forward.w2 = quantized(layer.feed_forward.w2)
     if kind == "int4":
-        model.output = Int4Head(model.output, k, kernel_layout=int4_kernel,  # type: ignore[assignment]
-                                prefill_bf16=prefill_bf16)
+        model.output = Int4Head(model.output, k, kernel_layout=int4_kernel)  # type: ignore[assignment]
     elif can_pack_for_cpu(model.output.weight.dtype):
         model.output = PackedLinear(model.output)  # type: ignore[assignment]
     return k
