@@ -223,7 +223,7 @@ def uses_int4_kernel(path: Path, adapters: AdapterRegistry | None) -> bool:
 
 
 def int4_kernel_wins() -> bool:
-    """Where ``int4.cpp``'s int4 beats ATen's: x86-64 with AVX2 and FMA, AVX-512 machines included (its
-    groups go two at a time there; docs/perf-decisions.md); elsewhere it is unmeasured."""
+    """Where ``int4.cpp``'s int4 beats ATen's: x86-64 with AVX2 and FMA, AVX-512 machines included (there it
+    takes 512-bit dot products from two rows on; docs/perf-decisions.md); elsewhere it is unmeasured."""
     return {"avx2", "fma"} <= _cpu_flags()
 
