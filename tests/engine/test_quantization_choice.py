@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tests.engine.test_torch_engine import PROMPTS, greedy
-from trtserver.engine.torch.engine import TorchEngine
 from trtserver.engine.torch import loader
 from trtserver.engine.torch.cpu import kernels
+from trtserver.engine.torch.engine import TorchEngine
 from trtserver.engine.torch.loader import pick_cpu_dtype
 
 
