@@ -8,7 +8,6 @@ its cache and its adapters made ready as one ``EngineCore``.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import time
@@ -218,8 +217,7 @@ def uses_int4_kernel(path: Path, adapters: AdapterRegistry | None) -> bool:
 
     if adapters is not None or not int4_kernel_wins():
         return False
-    args = ModelArgs.from_hf_config(json.loads((path / "config.json").read_text()))
-    return fits_int4_kernel(args) and kernels.load()
+    return fits_int4_kernel(ModelArgs.from_dir(path)) and kernels.load()
 
 
 def int4_kernel_wins() -> bool:

@@ -46,6 +46,11 @@ class ModelArgs:
     mlp_bias: bool = False
 
     @classmethod
+    def from_dir(cls, engine_dir: str | Path) -> ModelArgs:
+        """The args of an engine directory's model, from its ``config.json``."""
+        return cls.from_hf_config(json.loads((Path(engine_dir) / "config.json").read_text()))
+
+    @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelArgs:  # type: ignore[type-arg]
         model_type = cfg.get("model_type", "llama")
         if model_type not in ("llama", "mistral", "qwen2"):
@@ -277,7 +282,7 @@ def load_model(engine_dir: str | Path, dtype: torch.dtype, device: torch.device)
     from safetensors import safe_open
 
     engine_dir = Path(engine_dir)
-    args = ModelArgs.from_hf_config(json.loads((engine_dir / "config.json").read_text()))
+    args = ModelArgs.from_dir(engine_dir)
     files = sorted(engine_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{engine_dir}: no *.safetensors weights")
