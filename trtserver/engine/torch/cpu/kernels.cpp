@@ -84,8 +84,8 @@ float exp_row(float* x, int64_t n, float best) {
   return total;
 }
 
-// q . k for one query head and one key row, both float32 of length hs (with AVX-512, only the last few keys of a
-// task: dot4 takes the rest).
+// q . k for one query head and one key row, both float32 of length hs (with AVX2 or AVX-512, only the last few
+// keys of a task: dot4 takes the rest).
 inline float dot(const float* q, const float* k, int64_t hs) {
   float total = 0.f;
 #pragma omp simd reduction(+ : total)
@@ -111,17 +111,21 @@ inline __m128 dot4(const float* q, const float* k, int64_t hs) {
 #endif
 
 #if defined(__AVX512F__)
-// q . k for one query head (float32) and four consecutive key rows (bfloat16), hs a multiple of 16: four
-// independent FMA chains, their lanes added as a 4 x 4 transpose rather than four trees.
-inline __m128 dot4(const float* q, const BFloat16* k, int64_t hs) {
+// 16 values of a key row as float32: loaded, or widened from bfloat16.
+inline __m512 key16(const float* k) { return _mm512_loadu_ps(k); }
+inline __m512 key16(const BFloat16* k) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k))), 16));
+}
+
+// q . k for one query head (float32) and four consecutive key rows (float32 or bfloat16), hs a multiple of 16:
+// four independent FMA chains, their lanes added as a 4 x 4 transpose rather than four trees.
+template <typename T>
+inline __m128 dot4(const float* q, const T* k, int64_t hs) {
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   for (int64_t i = 0; i < hs; i += 16) {
     const __m512 qi = _mm512_loadu_ps(q + i);
-    for (int r = 0; r < 4; ++r) {
-      const __m512 ki = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + r * hs + i))), 16));
-      acc[r] = _mm512_fmadd_ps(qi, ki, acc[r]);
-    }
+    for (int r = 0; r < 4; ++r) acc[r] = _mm512_fmadd_ps(qi, key16(k + r * hs + i), acc[r]);
   }
   const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(acc[0], acc[1]), _mm512_unpackhi_ps(acc[0], acc[1]));
   const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(acc[2], acc[3]), _mm512_unpackhi_ps(acc[2], acc[3]));
@@ -236,16 +240,29 @@ namespace trtserver_kernels {
 void plan_attention(AttentionWork& w, int64_t B, int64_t nh, int64_t nkv, int64_t hs, int64_t P, int64_t longest,
                     int64_t threads) {
   // Tasks: (row, kv head, split of the positions); a task's `group` query heads read each key and value row
-  // once. Few rows and kv heads would leave threads idle (1 row of SmolLM2: 3 tasks for 2 threads), so the
-  // positions are split until there are two tasks per thread, each of at least 64 positions; each split keeps
-  // its own maximum, sum and weighted values, merged after (flash-decoding). A few heads over a short context
-  // take microseconds: threads only where there is real work.
+  // once. Few rows and kv heads would leave threads idle or uneven (1 row of SmolLM2: 3 tasks for 2 threads,
+  // one of them doing two), so the positions are split until there are at least two tasks per thread and, where
+  // the splits allow, as many for each thread, each of at least 32 positions; each split keeps its own maximum,
+  // sum and weighted values, merged after (flash-decoding). A few heads over a short context take microseconds:
+  // threads only where there is real work.
   w.n_heads = nh, w.n_kv_heads = nkv, w.head_dim = hs, w.cache_positions = P;
   w.group = nh / nkv;
   w.pairs = B * nkv;
   w.threaded = B * nh * longest * hs >= (1 << 15);
   const int64_t used = w.threaded ? threads : 1;
-  w.splits = w.pairs >= 2 * used ? 1 : std::max<int64_t>(1, std::min((2 * used + w.pairs - 1) / w.pairs, longest / 64));
+  if (w.pairs >= 2 * used) {
+    w.splits = 1;
+  } else {
+    const int64_t most = std::max<int64_t>(1, longest / 32);
+    int64_t splits = std::min(most, (2 * used + w.pairs - 1) / w.pairs);
+    for (int64_t even = splits; even <= std::min(most, 2 * splits); ++even) {
+      if (w.pairs * even % used == 0) {
+        splits = even;
+        break;
+      }
+    }
+    w.splits = std::max<int64_t>(1, splits);
+  }
   w.chunk = (longest + w.splits - 1) / w.splits;
   w.part_max.resize(w.pairs * w.splits * w.group);
   w.part_sum.resize(w.pairs * w.splits * w.group);
@@ -278,14 +295,12 @@ void attention_tasks(AttentionWork& w, const T* qp, const T* kc, const T* vc, co
     for (int64_t i = 0; i < group * hs; ++i) query[i] = f(qb[i]);
     int64_t t = t0;
 #if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, BFloat16>) {
-      if (hs % 16 == 0) {  // four keys at a time: four independent sums a query head, reduced together
-        for (; t + 4 <= t1; t += 4) {
-          const BFloat16* k = kc + base + t * hs;
-          for (int64_t j = 0; j < group; ++j) {
-            const __m128 four = dot4(query.data() + j * hs, k, hs);
-            _mm_storeu_ps(scores.data() + j * chunk + t - t0, _mm_mul_ps(four, _mm_set1_ps(scale)));
-          }
+    if (hs % 16 == 0) {  // four keys at a time: four independent sums a query head, reduced together
+      for (; t + 4 <= t1; t += 4) {
+        const T* k = kc + base + t * hs;
+        for (int64_t j = 0; j < group; ++j) {
+          const __m128 four = dot4(query.data() + j * hs, k, hs);
+          _mm_storeu_ps(scores.data() + j * chunk + t - t0, _mm_mul_ps(four, _mm_set1_ps(scale)));
         }
       }
     }
