@@ -4,6 +4,7 @@ hold, and the layout ``weights.int4_kernel_layout`` writes for them."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,3 +113,25 @@ def test_int4_kernel_layout_holds_the_weights_atens_layout_holds(ops) -> None:  
         torch.testing.assert_close(got, atens(x.to(torch.bfloat16).float()), rtol=0.02, atol=0.02)
         exact = linear(x)
         assert (got - exact).norm() < 0.1 * exact.norm()  # and near the float32 weights (16 levels a block)
+
+
+def test_one_row_gives_the_same_bits_on_either_loop_and_start_up_keeps_one(ops) -> None:  # type: ignore[no-untyped-def]
+    """With AVX-512 one row can take the 512-bit loop or the 256-bit one (``kernels.pick_int4_loop`` times both
+    at start-up); they sum the same integers. A build without AVX-512 has only the 256-bit loop."""
+    from trtserver.engine.torch.cpu.kernels import pick_int4_loop
+
+    packed, scales_mins, _ = _int4_weights(200, 576)
+    x = torch.randn(1, 576, generator=torch.Generator().manual_seed(6))
+    before = ops.int4_wide_from_rows(2)
+    try:
+        has_wide = ops.int4_wide_from_rows(1) == 1
+        wide = ops.int4_linear(x, packed, scales_mins)
+        ops.int4_wide_from_rows(2)
+        narrow = ops.int4_linear(x, packed, scales_mins)
+        assert torch.equal(wide, narrow)
+        picked = pick_int4_loop(packed, scales_mins, rounds=3)
+        assert picked in ((1, 2) if has_wide else (2,))
+        assert ops.int4_wide_from_rows(picked) == picked
+        assert has_wide == ("avx512bw" in Path("/proc/cpuinfo").read_text())
+    finally:
+        ops.int4_wide_from_rows(before)

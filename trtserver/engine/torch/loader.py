@@ -122,9 +122,14 @@ def load(path: Path, config: ServerConfig, placement: Placement, *, eos_token_id
     dtype = placement.dtype or (torch.float32 if int4_kernel else pick_cpu_dtype())
     model = load_model(path, dtype, device)
     if placement.quantize is not None:
-        from trtserver.engine.torch.cpu.weights import quantize_weights
+        from trtserver.engine.torch.cpu.weights import Int4Linear, quantize_weights
 
         quantize_weights(model, placement.quantize, int4_kernel=int4_kernel)
+        head = model.output
+        if int4_kernel and isinstance(head, Int4Linear) and head.kernel_layout:
+            from trtserver.engine.torch.cpu.kernels import pick_int4_loop
+
+            pick_int4_loop(head.packed, head.scales)  # at the decode's thread count, set above
     elif device.type == "cpu":
         from trtserver.engine.torch.cpu.weights import can_pack_for_cpu, pack_for_cpu
 

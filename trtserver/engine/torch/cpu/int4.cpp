@@ -8,6 +8,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -65,8 +66,8 @@ void block_dots(const Int4Activations& a, const uint8_t* w, int64_t K, int64_t g
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // block_dots two chunks at a time in 512 bits: chunk 2q's sums in lanes 0-7 and chunk 2q + 1's in lanes 8-15, each
 // half against its own pair of activations (vpermd from the block's 16 pairs), the halves added at the end. The
-// same integers in half the instructions; for two rows or more (one row is bound by reading the weights, and the
-// 256-bit loop measured faster there).
+// same integers in half the instructions; for two rows or more, and for one row where it measured faster
+// (int4_wide_from_rows).
 template <int R>
 void block_dots_wide(const Int4Activations& a, const uint8_t* w, int64_t K, int64_t g, __m256i* dot) {
   const __m512i nibble = _mm512_set1_epi16(0x0F);
@@ -99,15 +100,20 @@ void block_dots_wide(const Int4Activations& a, const uint8_t* w, int64_t K, int6
 }
 #endif
 
-// Block g's dot products the fastest way this build has for R rows.
+// Block g's dot products for R rows, in 512 bits where `wide`.
 template <int R>
-void group_block_dots(const Int4Activations& a, const uint8_t* w, int64_t K, int64_t g, __m256i* dot) {
+void group_block_dots(const Int4Activations& a, const uint8_t* w, int64_t K, int64_t g, bool wide, __m256i* dot) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  if constexpr (R > 1) return block_dots_wide<R>(a, w, K, g, dot);
+  if (wide) return block_dots_wide<R>(a, w, K, g, dot);
 #endif
   block_dots<R>(a, w, K, g, dot);
 }
 #endif
+
+// The fewest rows that take the 512-bit loop: two unless start-up measured it faster for one (int4_wide_from_rows).
+// One row is bound by reading the weights, and which loop reads them faster depends on the CPU: on a Zen 4 EPYC the
+// 256-bit one, on a Xeon whose cache holds the model the 512-bit one. Either gives the same bits.
+std::atomic<int64_t> wide_from_rows{2};
 
 // One group of 8 features for R rows.
 template <int R>
@@ -117,11 +123,12 @@ void int4_group(const Int4Activations& a, const uint8_t* packed, const at::Half*
   const uint8_t* w = packed + group * G * kBlockBytes;
   const at::Half* sm = scales_mins + group * G * 2 * kGroup;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  const bool wide = R >= wide_from_rows.load(std::memory_order_relaxed);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     __m256i dot[R];
-    group_block_dots<R>(a, w, K, g, dot);
+    group_block_dots<R>(a, w, K, g, wide, dot);
     const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm)));
     const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + kGroup)));
     for (int r = 0; r < R; ++r) {
@@ -293,9 +300,20 @@ Tensor int4_gated_linear(const Tensor& gate_up, const Tensor& packed, const Tens
   return type == at::kFloat ? y : y.to(type);
 }
 
+// Sets the fewest rows that take the 512-bit loop (1 or 2) where the build has it; returns the setting now (2
+// without AVX-512: the 256-bit loop serves every row count).
+int64_t int4_wide_from_rows(int64_t rows) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVX512F__) && defined(__AVX512BW__)
+  TORCH_CHECK(rows == 1 || rows == 2, "int4_wide_from_rows: 1 or 2");
+  wide_from_rows.store(rows);
+#endif
+  return wide_from_rows.load();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(trtserver, m) {
+  m.def("int4_wide_from_rows(int rows) -> int", &int4_wide_from_rows);
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_mins) -> Tensor", &int4_linear);
   m.def("int4_gated_linear(Tensor gate_up, Tensor packed, Tensor scales_mins) -> Tensor", &int4_gated_linear);
 }

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.cpp", "int4.cpp", "decode_stack.cpp", "top_k.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("checks.h", "vector_exp.h", "int4.h", "kernel_rows.h"))
 OPS = ("rms_norm", "rope_cache", "decode_attention", "int4_linear", "int4_gated_linear", "int4_decode_layers",
-       "top_k_indices")
+       "top_k_indices", "int4_wide_from_rows")
 BUILD_TIMEOUT_S = 300.0
 AMX_OFF = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")  # where the compiler knows them (_no_amx_flags)
 STALE_LOCK_S = 900.0  # a build lock older than this was left by a build that died
@@ -146,6 +146,29 @@ def load(*, timeout_s: float = BUILD_TIMEOUT_S) -> bool:
         return False
     log.info("fused CPU kernels loaded in %.1fs", time.perf_counter() - t0)
     return loaded()
+
+
+def pick_int4_loop(packed: torch.Tensor, scales_mins: torch.Tensor, *, rounds: int = 7) -> int:
+    """Which of ``int4.cpp``'s loops one row takes, for this process: the 256-bit and the 512-bit one timed in
+    turn on one row of the given int4 projection (the model's largest, its head: what a decode step reads
+    most of), the faster kept. The same bits either way. Returns the fewest rows that take the 512-bit loop;
+    2 where the build has only the 256-bit one."""
+    wide_from = torch.ops.trtserver.int4_wide_from_rows
+    if wide_from(1) == 2:
+        return 2
+    x = torch.randn(1, packed.shape[1] * 32)
+    times: dict[int, list[float]] = {1: [], 2: []}
+    for round_ in range(rounds + 1):
+        for rows in (1, 2):
+            wide_from(rows)
+            t0 = time.perf_counter()
+            torch.ops.trtserver.int4_linear(x, packed, scales_mins)
+            if round_:  # the first round warms both
+                times[rows].append(time.perf_counter() - t0)
+    best = min(times, key=lambda rows: sorted(times[rows])[rounds // 2])
+    log.info("int4 kernel: one row on the %s-bit loop (median %.0f against %.0f us)", 512 if best == 1 else 256,
+             sorted(times[best])[rounds // 2] * 1e6, sorted(times[3 - best])[rounds // 2] * 1e6)
+    return int(wide_from(best))
 
 
 def main(argv: list[str] | None = None) -> int:
