@@ -90,12 +90,10 @@ Tensor int4_decode_layers(const Tensor& x, const Tensor& cos, const Tensor& sin,
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #if defined(_OPENMP)
-    const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+    const int64_t thread = omp_get_thread_num();
 #else
-    const int64_t thread = 0, team = 1;
+    const int64_t thread = 0;
 #endif
-    // this thread's share of the attention's n tasks
-    const auto share = [&](int64_t n) { return std::pair<int64_t, int64_t>{n * thread / team, n * (thread + 1) / team}; };
     std::vector<float> normed(B * dim), attended(B * nh * hs), gated(B * hidden);  // this thread's
     Int4Input input;  // this thread's copy of the projection's activations, scaled to int16
     // A projection's groups of 8 features go to the threads as they come for them, so that a thread the OS
@@ -116,10 +114,13 @@ Tensor int4_decode_layers(const Tensor& x, const Tensor& cos, const Tensor& sin,
 #pragma omp barrier
 #pragma omp single
       rope_cache_rows(qkv.data(), cp, snp, q.data(), kc, vc, sp, pp, B, width, nh, nkv, hs, P);
-      {
-        const auto [t0, t1] = attention.threaded ? share(attention.tasks())
-                                                 : std::pair<int64_t, int64_t>{0, thread == 0 ? attention.tasks() : 0};
-        attention_tasks(attention, q.data(), kc, vc, sp, pp, t0, t1);
+      if (attention.threaded) {  // the tasks too go to the threads as they come for them
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t task = 0; task < attention.tasks(); ++task) {
+          attention_tasks(attention, q.data(), kc, vc, sp, pp, task, task + 1);
+        }
+      } else if (thread == 0) {
+        attention_tasks(attention, q.data(), kc, vc, sp, pp, 0, attention.tasks());
       }
 #pragma omp barrier
       merge_attention(attention, attended.data());
