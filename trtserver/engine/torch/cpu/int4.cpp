@@ -186,6 +186,15 @@ int64_t check_int4_weights(const Tensor& packed, const Tensor& scales_mins, int6
   return groups * kGroup;
 }
 
+#if defined(__AVX2__)
+// The largest of 8 lanes.
+inline float max8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+#endif
+
 void quantize_int4_input(const float* xp, int64_t rows, int64_t K, Int4Input& in) {
   const int64_t G = K / kBlock;
   in.x = xp;
@@ -197,20 +206,40 @@ void quantize_int4_input(const float* xp, int64_t rows, int64_t K, Int4Input& in
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < G; ++g) {
       const float* xb = xp + r * K + g * kBlock;
-      float sum = 0.f, largest = 0.f;
-      for (int64_t j = 0; j < kBlock; ++j) {
-        sum += xb[j];
-        largest = std::max(largest, std::fabs(xb[j]));
-      }
+      int16_t* qb = in.quantized.data() + r * K + g * kBlock;
+      float sum = 0.f;  // in order: the blocks' chains overlap, and a tree would round the sums otherwise
+      for (int64_t j = 0; j < kBlock; ++j) sum += xb[j];
+#if defined(__AVX2__)
+      // the largest magnitude ignoring NaN as std::max does, and below the scaling, in eight lanes at a time
+      __m256 x[4];
+      for (int i = 0; i < 4; ++i) x[i] = _mm256_loadu_ps(xb + 8 * i);
+      const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+      __m256 most = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) most = _mm256_max_ps(_mm256_and_ps(x[i], magnitude), most);  // NaN: `most`
+      const float largest = max8(most);
+#else
+      float largest = 0.f;
+      for (int64_t j = 0; j < kBlock; ++j) largest = std::max(largest, std::fabs(xb[j]));
+#endif
       in.block_sums[r * G + g] = sum;
       // a block below 1e-30 (or NaN) contributes its min term only: 32767 / largest would overflow
       const bool scaled = largest > 1e-30f;
       in.block_scales[r * G + g] = scaled ? largest / 32767.f : 0.f;
       const float inverse = scaled ? 32767.f / largest : 0.f;
-      for (int64_t j = 0; j < kBlock; ++j) {
-        const float q = std::min(32767.f, std::max(-32767.f, std::nearbyint(xb[j] * inverse)));
-        in.quantized[r * K + g * kBlock + j] = static_cast<int16_t>(q);
+#if defined(__AVX2__)
+      const __m256 high = _mm256_set1_ps(32767.f), low = _mm256_set1_ps(-32767.f);
+      for (int i = 0; i < 4; ++i) {
+        const __m256 rounded = _mm256_round_ps(_mm256_mul_ps(x[i], _mm256_set1_ps(inverse)),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i q = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(rounded, low), high));  // NaN: -32767
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 8 * i),
+                         _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
       }
+#else
+      for (int64_t j = 0; j < kBlock; ++j) {
+        qb[j] = static_cast<int16_t>(std::min(32767.f, std::max(-32767.f, std::nearbyint(xb[j] * inverse))));
+      }
+#endif
     }
   }
 }
