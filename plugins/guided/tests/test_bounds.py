@@ -223,3 +223,23 @@ def test_shutdown_ends_pending_compiles_at_once(context: GuideContext) -> None:
     assert not waiter.is_alive() and time.monotonic() - start < 2
     assert outcome and outcome[0].status == 503
     assert settle(lambda: not compile_children()), compile_children()
+
+
+def test_a_compile_asked_for_before_shutdown_starts_no_worker_after_it() -> None:
+    """A compile whose thread reaches its worker only after ``kill_all`` (it waited for a lane, or was not yet
+    scheduled) gets the shutdown's 503 and starts no process: nothing runs on to its deadline."""
+    from trtserver.errors import Overloaded
+
+    from trtserver_guided import worker
+
+    asked = worker.kills()
+    worker.kill_all()
+    lanes = worker.Lanes("test", fast=1, slow=1, slow_after_s=1.0)
+    before = compile_children()
+    with pytest.raises(Overloaded):
+        worker.within(asked, lambda: worker.run_in_worker("interegular", {"patterns": ["a+"]}, 30, lanes, 512))
+    assert compile_children() == before == []
+    # asked for after it, a compile starts its worker as ever
+    fsms = worker.within(worker.kills(), lambda: worker.run_in_worker("interegular", {"patterns": ["a+"]}, 30,
+                                                                      lanes, 512))
+    assert fsms

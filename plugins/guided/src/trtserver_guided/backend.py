@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 from trtserver.errors import InvalidRequest
 
+from trtserver_guided import worker
 from trtserver_guided.cache import CompileCache
 from trtserver_guided.vocab import Vocab, vocab_for
 from trtserver_guided.worker import Lanes
@@ -86,8 +87,12 @@ class Backend:
         data = self.tokenizer_data(context)
         key = (self.name, id(data[0]), spec.cache_key)
         timeout = float(context.compile_timeout_s)
-        return self.cache.get(key, lambda: Portable(self._compile(spec, data, timeout), (self.name, spec, context)),
-                              timeout)
+        asked = worker.kills()  # a shutdown from now on starts none of this compile's workers
+
+        def compile_guide() -> Portable:
+            return worker.within(asked, lambda: Portable(self._compile(spec, data, timeout), (self.name, spec, context)))
+
+        return self.cache.get(key, compile_guide, timeout)
 
     # --- subclasses ---------------------------------------------------------------------------
     def footprint(self, decoder: GuidedDecoder) -> int:

@@ -11,7 +11,10 @@ per backend). Settings (environment): ``TRTSERVER_GUIDED_COMPILE_WORKERS`` (fast
 
 ``run_in_worker`` runs one task of ``backends/_compile_worker.py`` in a fresh ``python -I``
 process under an address-space limit and kills it at the deadline; the worker also exits when
-the server process goes away, so nothing it started outlives the server.
+the server process goes away, so nothing it started outlives the server. ``kill_all`` (the server's
+shutdown) kills the workers running, and a compile asked for before it (``within``) starts none
+after it: a compile thread still waiting for its lane would otherwise start a worker that runs to
+its deadline after its caller has had its 503.
 """
 
 from __future__ import annotations
@@ -26,17 +29,38 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from trtserver.errors import InvalidRequest
+from trtserver.errors import InvalidRequest, Overloaded
 
 WORKER = Path(__file__).with_name("backends") / "_compile_worker.py"
 T = TypeVar("T")
 _live: set[subprocess.Popen[bytes]] = set()
 _live_lock = threading.Lock()
+_kills = 0  # how many times kill_all has run (under _live_lock)
+_asked = threading.local()  # a compile thread's kill count when its guide was asked for (within)
+
+
+def kills() -> int:
+    """How many times ``kill_all`` has run: what a guide asked for now passes to ``within``."""
+    with _live_lock:
+        return _kills
+
+
+def within(asked: int, compile_fn: Callable[[], T]) -> T:
+    """``compile_fn()``, on the compile's own thread, for a guide asked for when ``kills()`` was ``asked``: once
+    ``kill_all`` has run since, the workers it would start are not started (``Overloaded``)."""
+    _asked.count = asked
+    try:
+        return compile_fn()
+    finally:
+        del _asked.count
 
 
 def kill_all() -> None:
-    """Kill every compile worker process now (their callers get an error)."""
+    """Kill every compile worker process now (their callers get an error), and let no compile asked for
+    before now start one."""
+    global _kills
     with _live_lock:
+        _kills += 1
         procs = list(_live)
     for proc in procs:
         if proc.poll() is None:
@@ -111,9 +135,13 @@ class Slot:
 def run_in_worker(task: str, request: dict[str, Any], timeout: float, lanes: Lanes, max_mb: int) -> Any:
     """The result of ``task(request)`` computed in a killable subprocess; raises InvalidRequest (the
     task's error, the deadline or the memory limit)."""
+    asked = getattr(_asked, "count", None)
+    if asked is None:
+        asked = kills()
     deadline = time.monotonic() + timeout
     slot = lanes.enter(deadline, timeout)
     try:
+        _refuse_after_kill(asked)
         env = dict(os.environ, MALLOC_ARENA_MAX="2", RAYON_NUM_THREADS="2")
         message = pickle.dumps({"task": task, "parent": os.getpid(), "max_bytes": max_mb << 20, **request})
         proc = subprocess.Popen([sys.executable, "-I", str(WORKER)], stdin=subprocess.PIPE,
@@ -121,6 +149,7 @@ def run_in_worker(task: str, request: dict[str, Any], timeout: float, lanes: Lan
         with _live_lock:
             _live.add(proc)
         try:
+            _refuse_after_kill(asked)  # kill_all ran while it started: the finally below kills it
             out, err = _communicate(proc, message, deadline, lanes, slot, timeout)
         finally:
             if proc.poll() is None:
@@ -141,6 +170,12 @@ def run_in_worker(task: str, request: dict[str, Any], timeout: float, lanes: Lan
     if status != "ok":
         raise InvalidRequest(f"{lanes.name} cannot compile this guide: {payload}")
     return payload
+
+
+def _refuse_after_kill(asked: int) -> None:
+    with _live_lock:
+        if _kills != asked:
+            raise Overloaded("the server is shutting down")
 
 
 def _communicate(proc: subprocess.Popen[bytes], message: bytes, deadline: float, lanes: Lanes, slot: Slot,
