@@ -34,8 +34,10 @@ async def test_quantized_weights_still_know_paris(smol_dir, kind: str) -> None: 
         await eng.shutdown()
 
 
-def test_quantization_auto_is_int4_for_a_q4_gguf_on_the_cpu(smol_dir) -> None:  # type: ignore[no-untyped-def]
+def test_quantization_auto_is_int4_for_a_q4_gguf_on_the_cpu(smol_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     assert json.loads((smol_dir / "trtserver.json").read_text())["source"]["quantization"] == "Q4_1"
+    # the quantization choice, on a CPU whose bfloat16 GEMMs are row-invariant (the next test: one whose are not)
+    monkeypatch.setattr("trtserver.engine.torch.cpu.weights.bf16_rows_invariant", lambda: True)
     def quantize(**options: object) -> str | None:
         return TorchEngine.from_dir(smol_dir, device="cpu", **options).quantize  # type: ignore[arg-type]
 
@@ -82,3 +84,26 @@ def test_int4_takes_the_fused_kernels_layout_where_it_wins(smol_dir, monkeypatch
     assert projection.kernel_layout is head.kernel_layout is (loader.int4_kernel_wins() and kernels.load())
     # the engine's own int4 kernel beats the float32 weights at every decode batch size, ATen's up to 4 rows
     assert eng.core.model_runner.small_batch == (32 if projection.kernel_layout else 4)
+
+
+def test_a_batch_invariant_cpu_server_takes_bfloat16_only_where_its_gemms_are_row_invariant(
+        smol_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from trtserver.config import ServerConfig
+    from trtserver.manifest import load_manifest
+
+    manifest = load_manifest(smol_dir)
+
+    def dtype(invariant: bool, **options: object) -> torch.dtype | None:
+        monkeypatch.setattr("trtserver.engine.torch.cpu.weights.bf16_rows_invariant", lambda: invariant)
+        config = ServerConfig(engine_dir=str(smol_dir), device="cpu", **options)  # type: ignore[arg-type]
+        return loader.place(config, manifest, "auto").dtype
+
+    assert dtype(False, batch_invariant=True) == torch.float32  # auto
+    assert dtype(False, batch_invariant=True, dtype="float32") == torch.float32
+    with pytest.raises(ValueError, match="batch_invariant and dtype='bfloat16'"):
+        dtype(False, batch_invariant=True, dtype="bfloat16")
+    assert dtype(True, batch_invariant=True) is None  # auto: the dtype the CPU decodes fastest, at load
+    assert dtype(True, batch_invariant=True, dtype="bfloat16") == torch.bfloat16
+    assert dtype(False, dtype="bfloat16") == torch.bfloat16  # without batch_invariant, no matter
+    assert dtype(False) is None
+

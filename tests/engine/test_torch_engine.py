@@ -341,15 +341,24 @@ def test_core_switches_threads_by_rows_in_the_forward(smol_dir, monkeypatch) -> 
 
 
 @NEEDS_BF16_PACKING
-async def test_batch_invariant_bfloat16_beyond_the_small_batch(smol_dir) -> None:  # type: ignore[no-untyped-def]
+async def test_batch_invariant_beyond_the_small_batch(smol_dir) -> None:  # type: ignore[no-untyped-def]
     """More rows than SMALL_BATCH: with batch_invariant, each prompt's greedy tokens are the same alone
-    and in the crowd, although alone it is a batch of one."""
+    and in the crowd, although alone it is a batch of one. In bfloat16 where this CPU's bfloat16 GEMMs keep a
+    row's bits wherever it sits in a batch; elsewhere bfloat16 asked for is refused, and auto takes float32."""
+    from trtserver.engine.torch.cpu.weights import bf16_rows_invariant
     from trtserver.engine.torch.model_runner import SMALL_BATCH
 
-    eng = TorchEngine.from_dir(smol_dir, dtype="bfloat16", device="cpu", max_batch_size=8, max_model_len=128,
-                               threads=1, batch_invariant=True)
+    options = dict(device="cpu", max_batch_size=8, max_model_len=128, threads=1, batch_invariant=True)
+    dtype = "bfloat16"
+    if not bf16_rows_invariant():
+        with pytest.raises(ValueError, match="round a row by its place"):
+            refused = TorchEngine.from_dir(smol_dir, dtype="bfloat16", **options)
+            await refused.start()
+        dtype = "auto"
+    eng = TorchEngine.from_dir(smol_dir, dtype=dtype, **options)
     await eng.start()
     try:
+        assert eng.dtype == (torch.bfloat16 if dtype == "bfloat16" else torch.float32)
         prompts = PROMPTS + ["My favourite animal is", "Water boils at"]
         assert len(prompts) > SMALL_BATCH
         alone = [await greedy(eng, p, max_tokens=8) for p in prompts]

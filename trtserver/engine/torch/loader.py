@@ -43,7 +43,8 @@ class Loaded:
 
 def place(config: ServerConfig, manifest: Manifest, quantize: str) -> Placement:
     """Device, dtype and quantization (``quantize``: "auto", "none", "int8", "int4"); raises for
-    combinations that cannot run."""
+    combinations that cannot run. A batch-invariant CPU server takes bfloat16 only where its GEMMs are
+    row-invariant (``weights.bf16_rows_invariant``)."""
     device = resolve_device(config.device)
     dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
     if quantize == "auto":
@@ -57,6 +58,14 @@ def place(config: ServerConfig, manifest: Manifest, quantize: str) -> Placement:
         raise ValueError("quantize='int4' needs device cpu and dtype bfloat16, float32 or auto")
     if dtype is None and device.type == "cuda":
         dtype = torch.bfloat16
+    if config.batch_invariant and device.type == "cpu" and dtype in (None, torch.bfloat16):
+        from trtserver.engine.torch.cpu.weights import bf16_rows_invariant
+
+        if not bf16_rows_invariant():
+            if dtype == torch.bfloat16:
+                raise ValueError("batch_invariant and dtype='bfloat16': this CPU's bfloat16 GEMMs round a row by "
+                                 "its place in the batch; use dtype float32 (or auto) for batch invariance here")
+            dtype = torch.float32  # auto: the float32 GEMMs keep a row's bits wherever it sits
     return Placement(device, dtype, chosen)
 
 
