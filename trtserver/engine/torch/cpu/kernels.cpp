@@ -261,7 +261,7 @@ void plan_attention(AttentionWork& w, int64_t B, int64_t nh, int64_t nkv, int64_
         break;
       }
     }
-    w.splits = std::max<int64_t>(1, splits);
+    w.splits = splits;
   }
   w.chunk = (longest + w.splits - 1) / w.splits;
   w.part_max.resize(w.pairs * w.splits * w.group);
